@@ -1,0 +1,70 @@
+"""``fibattn`` command line: one sub-command per module, imported on use.
+
+Each command module defines ``configure_parser(parser)`` and ``run(args) -> int``.
+Bad input exits with status 2 and a one-line error naming the field.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    # name: (module, help)
+    "demo": ("fibattn.demo", "train and evaluate the demo grid on the bundled corpus (CPU, minutes)"),
+    "prepare": ("fibattn.data.prepare", "tokenise sources into shards"),
+    "train": ("fibattn.train", "train a model from a preset plus overrides"),
+    "eval": ("fibattn.evaluate", "perplexity across lengths on validation splits"),
+    "probe": ("fibattn.probe", "the mechanistic retrieval probe"),
+    "grid": ("fibattn.grid", "run an experiment grid"),
+    "report": ("fibattn.report", "tables and plots for a grid"),
+    "generate": ("fibattn.generate", "stream tokens from a trained model"),
+    "export": ("fibattn.export", "write a portable model folder"),
+    "bench": ("fibattn.bench", "benchmarks: attention, train, generate"),
+}
+
+
+class UsageError(Exception):
+    """Bad user input: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fibattn", description="Depth-staggered Fibonacci sparse attention.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("fibattn"):
+                p.set_defaults(_missing=f"'{name}' is not available in this version")
+                continue
+            raise
+        mod.configure_parser(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    if getattr(args, "_missing", None):
+        print(f"fibattn: error: {args._missing}", file=sys.stderr)
+        return 2
+    from .config import ConfigError
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (UsageError, ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fibattn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
