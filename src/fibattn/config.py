@@ -104,6 +104,7 @@ class TrainConfig:
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "fibattn"
+    results_db: str = ""           # SQLite results DB: "" = <parent of out_dir>/results.sqlite, "off" = none
 
 
 @dataclass
@@ -313,6 +314,7 @@ def validate_train(t: TrainConfig) -> None:
     _choice(t, s, "precision", ("auto", "fp32", "bf16"))
     _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
           f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+    _need(isinstance(t.results_db, str), f"train.results_db must be a path, '' (default) or 'off', got {t.results_db!r}")
 
 
 def validate_eval(e: EvalConfig) -> None:

@@ -3,11 +3,16 @@
 A *kernel set* is any object with ``scores``, ``wsum`` and ``wsum_t``; each fast backend
 provides one, and this module turns it into the integer op (one autograd Function with
 a hand-written backward) and the fractional op (autograd through a small mixing matrix).
+A kernel set may also have a fused ``attn_forward`` / ``attn_backward`` over
+:class:`Columns` (scores, masked softmax and weighted sum in one pass); both ops then
+use it, the fractional one with a hand-written gradient for ``alpha``.
 Everything here is O(T·|D|·Dh) work and O(T·|D|) extra memory: nothing is T×T.
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +30,51 @@ def _upcast(*xs):
     return [x.float() if x.dtype in _LOW_PRECISION else x for x in xs]
 
 
+def _fused(kern) -> bool:
+    return hasattr(kern, "attn_forward") and hasattr(kern, "attn_backward")
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Columns of a fused kernel, sorted by ``lo``: column ``c`` at row ``i`` reads
+    ``wlo[c] * x[i - lo[c]] + whi[c] * x[max(i - lo[c] - 1, 0)]`` (the second tap only when
+    ``two[c]``) and is valid when ``i >= lo[c]``. ``b[c]`` is the base value of a rung
+    (``frac = alpha * b - lo``) and 0 for an exact column."""
+
+    lo: tuple[int, ...]
+    wlo: tuple[float, ...]
+    whi: tuple[float, ...]
+    two: tuple[bool, ...]
+    b: tuple[int, ...]
+
+
+def integer_columns(dists: list[int]) -> Columns:
+    n = len(dists)
+    return Columns(tuple(dists), (1.0,) * n, (0.0,) * n, (False,) * n, (0,) * n)
+
+
+def plan_columns(plan: InterpolationPlan, alpha: float) -> Columns:
+    """The window columns, then one two-tap column per used rung (``frac = alpha * b - lo``)."""
+    cols = integer_columns(list(plan.window))
+    fracs = [alpha * b - lo for lo, b in plan.rungs]
+    return Columns(cols.lo + tuple(lo for lo, _ in plan.rungs), cols.wlo + tuple(1 - f for f in fracs),
+                   cols.whi + tuple(fracs), cols.two + (True,) * len(fracs),
+                   cols.b + tuple(b for _, b in plan.rungs))
+
+
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dists, scale, kern):
         dtype = q.dtype
         q, k, v = _upcast(q, k, v)
         group = q.shape[1] // k.shape[1]
+        dists = [d for d in dists if d < q.shape[2]]      # columns never valid at this length
+        if _fused(kern):
+            cols = integer_columns(dists)
+            out, p = kern.attn_forward(q, k, v, cols, scale)
+            ctx.save_for_backward(q, k, v, p, out)
+            ctx.meta = (cols, scale, kern, group, dtype)
+            return out.to(dtype)
         s = kern.scores(q, k, dists, group).mul_(scale)
         s.masked_fill_(~_valid(q.shape[2], dists, q.device), float("-inf"))
         p = torch.softmax(s, dim=-1)
@@ -44,6 +88,9 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, p, out = ctx.saved_tensors
         dists, scale, kern, group, dtype = ctx.meta
         (dout,) = _upcast(dout.contiguous())
+        if isinstance(dists, Columns):
+            dq, dk, dv, _ = kern.attn_backward(q, k, v, out, p, dout, dists, scale)
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
         dp = kern.scores(dout, v, dists, group)
         delta = (dout * out).sum(-1, keepdim=True)
         ds = p * (dp - delta)
@@ -117,8 +164,34 @@ def mixing_matrix(plan: InterpolationPlan, alpha: torch.Tensor, dtype, device):
     return torch.cat([eye, rung], dim=0), entries
 
 
+class _FusedInterpolated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, alpha, plan, scale, kern):
+        dtype = q.dtype
+        q, k, v = _upcast(q, k, v)
+        cols = plan_columns(plan, float(alpha.detach()))
+        out, p = kern.attn_forward(q, k, v, cols, scale)
+        ctx.save_for_backward(q, k, v, p, out)
+        ctx.meta = (cols, scale, kern, dtype, alpha.dtype, alpha.device)
+        return out.to(dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p, out = ctx.saved_tensors
+        cols, scale, kern, dtype, a_dtype, a_device = ctx.meta
+        (dout,) = _upcast(dout.contiguous())
+        need = ctx.needs_input_grad[3]
+        dq, dk, dv, dfrac = kern.attn_backward(q, k, v, out, p, dout, cols, scale, need_dfrac=need)
+        dalpha = None
+        if need:       # frac_c = alpha * b_c - lo_c
+            dalpha = (dfrac * torch.tensor(cols.b, dtype=torch.float64)).sum().to(a_dtype).to(a_device)
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dalpha, None, None, None
+
+
 def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: InterpolationPlan,
                                   scale: float, kern) -> torch.Tensor:
+    if _fused(kern):
+        return _FusedInterpolated.apply(q, k, v, alpha, plan, scale, kern)
     dtype = q.dtype
     q, k, v = _upcast(q, k, v)
     mix, entries = mixing_matrix(plan, alpha, q.dtype, q.device)

@@ -1,0 +1,32 @@
+"""fibattn data pipeline: sources -> tokenizer -> token shards -> deterministic training batches.
+
+Public API::
+
+    prepare(data_cfg, *, progress=True, force=False) -> Path   # build (or reuse) data_cfg.out_dir
+    ensure_prepared(data_cfg) -> Path                           # reuse when it matches, else build
+    verify_prepared(path) -> dict                               # re-hash every file
+    TokenData(path, verify=False)                               # .vocab_size .eos_id .tokenizer .manifest
+        .val_names, .val_tokens(name), .train_loader(seq_len, micro_batch, *, seed, rank, world_size)
+    Loader.next() -> (x, y); .state_dict(); .load_state_dict(d)
+    load_tokenizer(path) -> ByteTokenizer | BPETokenizer
+
+The optional packages ``datasets``, ``pyarrow`` and ``tokenizers`` (extra ``fibattn[data]``)
+are imported only by the sources / tokenizer that need them.
+
+Note: ``fibattn.data.prepare`` is the function; the CLI module is ``importlib.import_module(
+"fibattn.data.prepare")`` (what ``fibattn prepare`` uses).
+"""
+from __future__ import annotations
+
+from . import prepare as _prepare_cli  # noqa: F401  (load the CLI module first; the name below is the function)
+from .corpus import corpus_texts, read_corpus
+from .loader import Loader, TokenData
+from .pipeline import MANIFEST_FILE, ensure_prepared, prepare, read_manifest, verify_prepared
+from .shards import ShardError, open_shard, write_shard
+from .tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "BPETokenizer", "ByteTokenizer", "Loader", "MANIFEST_FILE", "ShardError", "TokenData", "corpus_texts",
+    "ensure_prepared", "load_tokenizer", "open_shard", "prepare", "read_corpus", "read_manifest", "train_bpe",
+    "verify_prepared", "write_shard",
+]

@@ -1,0 +1,167 @@
+"""Tokenizers: ``byte`` (UTF-8 bytes) and ``bpe`` (Hugging Face ``tokenizers`` ByteLevel BPE).
+
+Both share one interface: ``encode(str) -> list[int]``, ``decode(list[int]) -> str``,
+``vocab_size``, ``eos_id``, ``name``, plus ``encode_batch(list[str]) -> list[np.ndarray]``
+(fast path used by ``prepare``) and ``save(path)``. Both are stored as ``tokenizer.json``
+in a prepared data folder and loaded with :func:`load_tokenizer`.
+
+``byte``: exactly 256 ids, the UTF-8 bytes of the text. The end-of-document token is id
+255 (byte 0xFF), a byte that never occurs in valid UTF-8, so the vocabulary stays 256.
+``bpe``: ByteLevel BPE (all 256 byte symbols are in the base alphabet, so any text
+encodes); ``<|endoftext|>`` is the end-of-document token (id 0). Text that happens to
+contain the literal string ``<|endoftext|>`` is encoded as plain text, never as eos.
+
+``decode`` drops end-of-document tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Union
+
+import numpy as np
+
+from ..io import atomic_write_text
+
+TOKENIZER_FILE = "tokenizer.json"
+EOS_TOKEN = "<|endoftext|>"
+DATA_EXTRA = "pip install 'fibattn[data]'"
+
+
+def require(module: str, purpose: str):
+    """Import an optional dependency of the ``data`` extra, or fail naming the extra."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{purpose} needs the optional package '{module}' of the fibattn[data] extra: "
+                          f"{DATA_EXTRA}") from exc
+
+
+class ByteTokenizer:
+    """UTF-8 bytes; 256 ids; eos = 255 (0xFF never occurs in UTF-8)."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_id = 255
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.encode_array(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
+            raise ValueError(f"byte tokenizer ids must lie in [0, {self.vocab_size - 1}], "
+                             f"got {int(arr.min())}..{int(arr.max())}")
+        return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        return json.dumps({"fibattn_tokenizer": "byte", "version": 1, "vocab_size": self.vocab_size,
+                           "eos_id": self.eos_id}, indent=2, sort_keys=True) + "\n"
+
+    def save(self, path) -> None:
+        atomic_write_text(path, self.to_json())
+
+
+class BPETokenizer:
+    """A trained Hugging Face ``tokenizers.Tokenizer`` (ByteLevel BPE) with an eos token."""
+
+    name = "bpe"
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self._tok.encode_special_tokens = True      # literal "<|endoftext|>" in text is just text
+        eos = tokenizer.token_to_id(EOS_TOKEN)
+        if eos is None:
+            raise ValueError(f"BPE tokenizer has no {EOS_TOKEN} token; it was not trained by fibattn")
+        self.eos_id = int(eos)
+        self.vocab_size = int(tokenizer.get_vocab_size())
+
+    @property
+    def backend(self):
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)   # fast: no offsets
+        encs = encode(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"bpe tokenizer ids must lie in [0, {self.vocab_size - 1}], got {bad[0]}")
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        return self._tok.to_str(pretty=True)
+
+    def save(self, path) -> None:
+        atomic_write_text(path, self.to_json())
+
+
+Tokenizer = Union[ByteTokenizer, BPETokenizer]
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """Train a ByteLevel BPE of at most ``vocab_size`` ids (eos included) on ``texts``.
+
+    A small corpus may yield fewer merges; the result's ``vocab_size`` is the real size.
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 257:
+        raise ValueError(f"data.vocab_size must be an integer >= 257 for tokenizer=bpe "
+                         f"(256 byte symbols + end-of-document), got {vocab_size!r}")
+    tk = require("tokenizers", "tokenizer=bpe")
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return BPETokenizer(tok)
+
+
+def make_tokenizer(kind: str) -> ByteTokenizer:
+    """The untrained tokenizers (only ``byte``); ``bpe`` goes through :func:`train_bpe`."""
+    if kind != "byte":
+        raise ValueError(f"data.tokenizer={kind!r} must be trained (use train_bpe); only 'byte' is fixed")
+    return ByteTokenizer()
+
+
+def _resolve(path) -> Path:
+    path = Path(path)
+    return path / TOKENIZER_FILE if path.is_dir() else path
+
+
+def tokenizer_sha256(path) -> str:
+    return hashlib.sha256(_resolve(path).read_bytes()).hexdigest()
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """Load a ``tokenizer.json`` (or a prepared data folder that holds one)."""
+    file = _resolve(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer at {file}")
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file} is not a tokenizer JSON file: {exc}") from exc
+    if isinstance(obj, dict) and obj.get("fibattn_tokenizer") == "byte":
+        if obj.get("vocab_size") != ByteTokenizer.vocab_size or obj.get("eos_id") != ByteTokenizer.eos_id:
+            raise ValueError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got {obj}")
+        return ByteTokenizer()
+    if isinstance(obj, dict) and "model" in obj:
+        tk = require("tokenizers", f"loading the bpe tokenizer {file}")
+        return BPETokenizer(tk.Tokenizer.from_file(str(file)))
+    raise ValueError(f"{file} is neither a fibattn byte tokenizer nor a Hugging Face tokenizer.json")

@@ -1,0 +1,216 @@
+"""C/OpenMP band primitives for CPU tensors, compiled with the system ``gcc`` on first use.
+
+Layout and maths as in :mod:`fibattn.ops.torch_backend` (``scores``, ``wsum``, ``wsum_t``
+with rows below 0 clamped to row 0); float32 and float64. Besides the primitives this
+kernel set has a fused forward / backward over *columns* (see ``cpu_kernels.c``), which
+``engine`` uses for both ops.
+
+The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (default
+``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
+and the CPU's feature flags; it is compiled to a temporary file and renamed, so
+concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+name = "cpu"
+log = logging.getLogger("fibattn")
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+_ABI = 3
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass
+class _Build:
+    lib: ctypes.CDLL | None = None
+    reason: str | None = None
+
+
+_state: _Build | None = None
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FIBATTN_CACHE") or Path.home() / ".cache" / "fibattn")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.machine() + platform.processor()
+
+
+def _library_path(compiler: str, source: bytes) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir() / f"cpu_kernels_{key}.so"
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, "-o", tmp, str(_SOURCE.resolve()), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> _Build:
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        return _Build(reason="no C compiler: 'gcc' is not on PATH")
+    try:
+        source = _SOURCE.read_bytes()
+        target = _library_path(compiler, source)
+        if not target.exists():
+            log.info("fibattn: compiling CPU kernels into %s", target)
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+        if lib.fa_abi_version() != _ABI:
+            return _Build(reason=f"kernel library {target} has ABI {lib.fa_abi_version()}, expected {_ABI}")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return _Build(reason=f"CPU kernels could not be built or loaded: {exc}")
+    return _Build(lib=lib)
+
+
+def _build() -> _Build:
+    global _state
+    with _lock:
+        if _state is None:
+            _state = _load()
+        return _state
+
+
+def unavailable(device) -> str | None:
+    """``None`` when the kernels can run on ``device``, else the reason they cannot."""
+    if torch.device(device).type != "cpu":
+        return f"the cpu backend runs on CPU tensors only, got device {device}"
+    return _build().reason
+
+
+def _kernel(stem: str, dtype: torch.dtype):
+    build = _build()
+    if build.lib is None:
+        raise RuntimeError(f"cpu backend unavailable: {build.reason}")
+    if dtype not in _SUFFIX:
+        raise ValueError(f"cpu backend kernels take float32 or float64 tensors, got {dtype}")
+    return getattr(build.lib, f"{stem}_{_SUFFIX[dtype]}")
+
+
+def _prep(*xs: torch.Tensor) -> list[torch.Tensor]:
+    dtype = xs[0].dtype
+    for x in xs:
+        if x.device.type != "cpu":
+            raise ValueError(f"cpu backend needs CPU tensors, got a tensor on {x.device}")
+        if x.dtype != dtype:
+            raise ValueError(f"cpu backend needs one dtype, got {dtype} and {x.dtype}")
+    return [x.contiguous() for x in xs]
+
+
+def _ints(values) -> ctypes.Array:
+    values = list(values)
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
+
+
+def _dims(q: torch.Tensor, kv: torch.Tensor) -> tuple:
+    B, H, T, D = q.shape
+    return _i64(B), _i64(H), _i64(kv.shape[1]), _i64(T), _i64(D)
+
+
+def _call_band(stem, a, b, out, dists, dims):
+    fn = _kernel(stem, a.dtype)
+    if out.numel():
+        fn(_ptr(a.data_ptr()), _ptr(b.data_ptr()), _ptr(out.data_ptr()), *dims, _ints(dists),
+           _i64(len(dists)), ctypes.c_int(torch.get_num_threads()))
+    return out
+
+
+# ------------------------------------------------------------------------- primitives
+def scores(q: torch.Tensor, k: torch.Tensor, dists: list[int], group: int) -> torch.Tensor:
+    q, k = _prep(q, k)
+    out = q.new_zeros(*q.shape[:3], len(dists))
+    return _call_band("fa_scores", q, k, out, dists, _dims(q, k))
+
+
+def wsum(p: torch.Tensor, v: torch.Tensor, dists: list[int], group: int) -> torch.Tensor:
+    p, v = _prep(p, v)
+    B, H, T, _ = p.shape
+    out = v.new_zeros(B, H, T, v.shape[-1])
+    return _call_band("fa_wsum", p, v, out, dists, _dims(out, v))
+
+
+def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> torch.Tensor:
+    p, x = _prep(p, x)
+    B, H, T, D = x.shape
+    out = x.new_zeros(B, H // group, T, D)
+    return _call_band("fa_wsum_t", p, x, out, dists, _dims(x, out))
+
+
+# ------------------------------------------------------------------------- fused op
+def _columns(cols, dtype):
+    real = _REAL[dtype]
+    n = max(len(cols.lo), 1)
+    return (_ints(cols.lo), (real * n)(*cols.wlo), (real * n)(*cols.whi),
+            (ctypes.c_int * n)(*[int(t) for t in cols.two]))
+
+
+def attn_forward(q, k, v, cols, scale: float):
+    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``)."""
+    q, k, v = _prep(q, k, v)
+    fn = _kernel("fa_attn_fwd", q.dtype)
+    C = len(cols.lo)
+    out = torch.empty_like(q)
+    P = q.new_empty(*q.shape[:3], C)
+    if P.numel():
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
+        if failed:
+            raise MemoryError("fa_attn_fwd could not allocate its row buffer")
+    return out, P
+
+
+def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False):
+    """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``."""
+    q, k, v, out, P, dout = _prep(q, k, v, out, P, dout)
+    fn = _kernel("fa_attn_bwd", q.dtype)
+    C = len(cols.lo)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dS = torch.empty_like(P)
+    dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
+    if P.numel():
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout, P, dS, dq, dk, dv)),
+                    _ptr(dfrac.data_ptr()) if need_dfrac else None, *_dims(q, k), _i64(C),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
+        if failed:
+            raise MemoryError("fa_attn_bwd could not allocate its accumulator")
+    else:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    return dq, dk, dv, (dfrac[:C] if need_dfrac else None)

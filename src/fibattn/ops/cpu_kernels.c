@@ -1,0 +1,433 @@
+/* fibattn CPU kernels: banded (Toeplitz) sparse attention with OpenMP.
+ *
+ * Compiled on first use by cpu_backend.py (gcc -O3 -march=native -fopenmp) and loaded
+ * with ctypes. Every kernel exists for float (suffix _f32) and double (_f64): this file
+ * includes itself once per type with REAL / SFX / EXPR defined.
+ *
+ * Layout (all contiguous, row-major): q, x, out ``(B, H, T, D)``; k, v ``(B, Hk, T, D)``;
+ * weights ``(B, H, T, n)``. Query head h = b*H + hk*g + gh reads key head bh = b*Hk + hk,
+ * g = H / Hk. Rows below 0 are clamped to row 0 (see torch_backend.py for the maths).
+ *
+ * Fused kernels work on *columns*: column c at query row i reads
+ *     wlo[c] * x[i - lo[c]] + whi[c] * x[max(i - lo[c] - 1, 0)]     (second tap if two[c])
+ * and is valid when i >= lo[c]; lo is sorted ascending, so the valid columns of row i are
+ * a prefix. Invalid columns get probability 0. An integer distance d is the column
+ * (lo=d, wlo=1, two=0); an interpolated rung is (lo, 1-frac, frac, two=1).
+ *
+ * Nothing is scattered: every output row is written by exactly one thread (the gradient
+ * of k and v is computed in gather form, y[m] = sum over rows m + d that read row m).
+ */
+#ifndef FA_BODY
+#define FA_BODY
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int64_t i64;
+#define FA_BLOCK 64
+#define FA_INLINE static inline __attribute__((always_inline))
+
+static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
+static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
+
+int fa_abi_version(void) { return 3; }
+
+/* Dispatch a row kernel on the head dim so that common sizes are compile-time constants. */
+#define FA_BY_DIM(D, ...)                                                                   \
+    do {                                                                                     \
+        if ((D) == 64) { const i64 DD = 64; __VA_ARGS__; }                                          \
+        else if ((D) == 128) { const i64 DD = 128; __VA_ARGS__; }                                   \
+        \
+        else { const i64 DD = (D); __VA_ARGS__; }                                                   \
+    } while (0)
+
+#define REAL float
+#define SFX(x) x##_f32
+#define EXPR expf
+#include __FILE__
+#undef REAL
+#undef SFX
+#undef EXPR
+
+#define REAL double
+#define SFX(x) x##_f64
+#define EXPR exp
+#include __FILE__
+#undef REAL
+#undef SFX
+#undef EXPR
+
+#else /* ---------------------------------------------------------------- typed body */
+
+FA_INLINE REAL SFX(dot)(const REAL *restrict a, const REAL *restrict b, i64 D) {
+    REAL acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (i64 e = 0; e < D; e++) acc += a[e] * b[e];
+    return acc;
+}
+
+FA_INLINE void SFX(zero)(REAL *restrict y, i64 D) {
+#pragma omp simd
+    for (i64 e = 0; e < D; e++) y[e] = 0;
+}
+
+/* out[t] = x . base[rows[t]] for t < n, four rows at a time (independent accumulators). */
+FA_INLINE void SFX(dots)(const REAL *restrict x, const REAL *restrict base, const i64 *restrict rows, i64 n,
+                         i64 D, REAL *restrict out) {
+    i64 t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
+        const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
+        REAL a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (i64 e = 0; e < D; e++) {
+            const REAL xe = x[e];
+            a0 += xe * r0[e];
+            a1 += xe * r1[e];
+            a2 += xe * r2[e];
+            a3 += xe * r3[e];
+        }
+        out[t] = a0, out[t + 1] = a1, out[t + 2] = a2, out[t + 3] = a3;
+    }
+    for (; t < n; t++) out[t] = SFX(dot)(x, base + rows[t] * D, D);
+}
+
+/* acc += sum_t coef[t] * base[rows[t]], four rows at a time. */
+FA_INLINE void SFX(gather)(REAL *restrict acc, const REAL *restrict base, const i64 *restrict rows,
+                           const REAL *restrict coef, i64 n, i64 D) {
+    i64 t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
+        const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
+        const REAL c0 = coef[t], c1 = coef[t + 1], c2 = coef[t + 2], c3 = coef[t + 3];
+#pragma omp simd
+        for (i64 e = 0; e < D; e++) acc[e] += c0 * r0[e] + c1 * r1[e] + c2 * r2[e] + c3 * r3[e];
+    }
+    for (; t < n; t++) {
+        const REAL *r0 = base + rows[t] * D, c0 = coef[t];
+#pragma omp simd
+        for (i64 e = 0; e < D; e++) acc[e] += c0 * r0[e];
+    }
+}
+
+/* Per-thread scratch: tap lists (row, column, weight) and per-tap / per-column values. */
+typedef struct {
+    i64 *row, *col;
+    REAL *w, *d, *d2, *cf, *cf2, *s;
+} SFX(ws_t);
+
+static int SFX(ws_init)(SFX(ws_t) *ws, i64 C) {
+    const i64 n = 3 * C + 4;
+    ws->row = malloc(sizeof(i64) * 2 * n);
+    ws->w = malloc(sizeof(REAL) * 6 * n);
+    if (!ws->row || !ws->w) {
+        free(ws->row), free(ws->w);
+        ws->row = NULL, ws->w = NULL;
+        return 1;
+    }
+    ws->col = ws->row + n;
+    ws->d = ws->w + n, ws->d2 = ws->w + 2 * n, ws->cf = ws->w + 3 * n, ws->cf2 = ws->w + 4 * n;
+    ws->s = ws->w + 5 * n;
+    return 0;
+}
+
+static void SFX(ws_free)(SFX(ws_t) *ws) { free(ws->row), free(ws->w); }
+
+/* ---------------------------------------------------------------- generic primitives */
+
+/* out[h,i,j] = q[h,i] . k[bh, max(i - d_j, 0)] */
+int SFX(fa_scores)(const REAL *q, const REAL *k, REAL *out, i64 B, i64 H, i64 Hk, i64 T, i64 D, const i64 *d,
+                   i64 n, int nt) {
+    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SFX(ws_t) ws = {0};
+        const int bad = SFX(ws_init)(&ws, n);
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const REAL *kb = k + bh * T * D;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const REAL *qh = q + h * T * D;
+                    REAL *oh = out + h * T * n;
+                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++) {
+                        for (i64 j = 0; j < n; j++) ws.row[j] = fa_max0(i - d[j]);
+                        SFX(dots)(qh + i * DD, kb, ws.row, n, DD, oh + i * n);
+                    });
+                }
+            }
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        } else SFX(ws_free)(&ws);
+    }
+    return failed;
+}
+
+/* out[h,i] = sum_j p[h,i,j] v[bh, max(i - d_j, 0)] */
+int SFX(fa_wsum)(const REAL *p, const REAL *v, REAL *out, i64 B, i64 H, i64 Hk, i64 T, i64 D, const i64 *d,
+                 i64 n, int nt) {
+    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SFX(ws_t) ws = {0};
+        const int bad = SFX(ws_init)(&ws, n);
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const REAL *vb = v + bh * T * D;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const REAL *ph = p + h * T * n;
+                    REAL *oh = out + h * T * D;
+                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++) {
+                        for (i64 j = 0; j < n; j++) ws.row[j] = fa_max0(i - d[j]);
+                        SFX(zero)(oh + i * DD, DD);
+                        SFX(gather)(oh + i * DD, vb, ws.row, ph + i * n, n, DD);
+                    });
+                }
+            }
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        } else SFX(ws_free)(&ws);
+    }
+    return failed;
+}
+
+/* Adjoint of wsum in v: y[bh,m] = sum_{gh,j} p[h,m+d_j,j] x[h,m+d_j]  (+ the clamped rows at m = 0). */
+int SFX(fa_wsum_t)(const REAL *p, const REAL *x, REAL *out, i64 B, i64 H, i64 Hk, i64 T, i64 D, const i64 *d,
+                   i64 n, int nt) {
+    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SFX(ws_t) ws = {0};
+        const int bad = SFX(ws_init)(&ws, n);
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                REAL *yb = out + bh * T * D;
+                for (i64 m = i0; m < i1; m++) SFX(zero)(yb + m * D, D);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const REAL *ph = p + h * T * n, *xh = x + h * T * D;
+                    FA_BY_DIM(D, for (i64 m = i0; m < i1; m++) {
+                        i64 cnt = 0;
+                        for (i64 j = 0; j < n; j++) {
+                            const i64 i = m + d[j];
+                            if (i < T) ws.row[cnt] = i, ws.cf[cnt++] = ph[i * n + j];
+                        }
+                        SFX(gather)(yb + m * DD, xh, ws.row, ws.cf, cnt, DD);
+                    });
+                }
+            }
+        /* rows i < d_j were clamped to row 0 (after the barrier above; one thread per head) */
+#pragma omp for schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 gh = 0; gh < g && !bad; gh++) {
+                const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                const REAL *ph = p + h * T * n, *xh = x + h * T * D;
+                for (i64 j = 0; j < n; j++)
+                    for (i64 i = 0; i < fa_min(d[j], T); i++) {
+                        const REAL c = ph[i * n + j];
+                        const REAL *xi = xh + i * D;
+                        REAL *y0 = out + bh * T * D;
+#pragma omp simd
+                        for (i64 e = 0; e < D; e++) y0[e] += c * xi[e];
+                    }
+            }
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        } else SFX(ws_free)(&ws);
+    }
+    return failed;
+}
+
+/* ---------------------------------------------------------------- fused attention */
+
+/* The taps of the valid columns of row i; returns the tap count, *nv = valid columns. */
+FA_INLINE i64 SFX(taps)(SFX(ws_t) *ws, i64 i, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi,
+                        const int *two, i64 *nv) {
+    i64 c = 0, t = 0;
+    for (; c < C && lo[c] <= i; c++) {
+        const i64 r = i - lo[c];
+        ws->row[t] = r, ws->col[t] = c, ws->w[t] = two[c] ? wlo[c] : 1, t++;
+        if (two[c]) ws->row[t] = fa_max0(r - 1), ws->col[t] = c, ws->w[t] = whi[c], t++;
+    }
+    *nv = c;
+    return t;
+}
+
+FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
+                            REAL *restrict oi, REAL *restrict pi, SFX(ws_t) *ws, i64 i, i64 D, i64 C,
+                            const i64 *lo, const REAL *wlo, const REAL *whi, const int *two, REAL scale) {
+    i64 nv;
+    const i64 n = SFX(taps)(ws, i, C, lo, wlo, whi, two, &nv);
+    REAL *s = ws->s;
+    SFX(dots)(qi, kb, ws->row, n, D, ws->d);
+    for (i64 c = 0; c < nv; c++) s[c] = 0;
+    for (i64 t = 0; t < n; t++) s[ws->col[t]] += ws->w[t] * ws->d[t];
+    REAL mx = -INFINITY, sum = 0;
+    for (i64 c = 0; c < nv; c++) s[c] *= scale, mx = s[c] > mx ? s[c] : mx;
+    for (i64 c = 0; c < nv; c++) s[c] = EXPR(s[c] - mx), sum += s[c];
+    const REAL inv = 1 / sum;
+    for (i64 c = 0; c < nv; c++) pi[c] = s[c] * inv;
+    for (i64 c = nv; c < C; c++) pi[c] = 0;
+    for (i64 t = 0; t < n; t++) ws->cf[t] = pi[ws->col[t]] * ws->w[t];
+    SFX(zero)(oi, D);
+    SFX(gather)(oi, vb, ws->row, ws->cf, n, D);
+}
+
+/* out = softmax(scale * q.k_cols) . v_cols;  P (B,H,T,C) keeps the probabilities. */
+int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, i64 B, i64 H, i64 Hk,
+                     i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
+                     REAL scale, int nt) {
+    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SFX(ws_t) ws = {0};
+        const int bad = SFX(ws_init)(&ws, C);
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const REAL *qh = q + h * T * D;
+                    REAL *oh = out + h * T * D, *ph = P + h * T * C;
+                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++)
+                              SFX(fwd_row)(qh + i * DD, kb, vb, oh + i * DD, ph + i * C, &ws, i, DD, C, lo, wlo,
+                                           whi, two, scale));
+                }
+            }
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        } else SFX(ws_free)(&ws);
+    }
+    return failed;
+}
+
+FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
+                            const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
+                            REAL *restrict dsi, REAL *restrict dqi, double *restrict dfrac, SFX(ws_t) *ws, i64 i,
+                            i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
+                            REAL scale) {
+    i64 nv;
+    const i64 n = SFX(taps)(ws, i, C, lo, wlo, whi, two, &nv);
+    REAL *dp = ws->s;
+    const REAL delta = SFX(dot)(gi, oi, D);
+    SFX(dots)(gi, vb, ws->row, n, D, ws->d);          /* dout . v per tap */
+    for (i64 c = 0; c < nv; c++) dp[c] = 0;
+    for (i64 t = 0; t < n; t++) dp[ws->col[t]] += ws->w[t] * ws->d[t];
+    for (i64 c = 0; c < nv; c++) dsi[c] = pi[c] * (dp[c] - delta);
+    for (i64 c = nv; c < C; c++) dsi[c] = 0;
+    for (i64 t = 0; t < n; t++) ws->cf[t] = scale * dsi[ws->col[t]] * ws->w[t];
+    SFX(zero)(dqi, D);
+    SFX(gather)(dqi, kb, ws->row, ws->cf, n, D);
+    if (!dfrac) return;
+    SFX(dots)(qi, kb, ws->row, n, D, ws->d2);         /* q . k per tap */
+    for (i64 t = 0; t < n; t++) {
+        const i64 c = ws->col[t];
+        if (!two[c]) continue;                        /* taps t (lo) and t + 1 (lo + 1) */
+        dfrac[c] += (double)(scale * dsi[c] * (ws->d2[t + 1] - ws->d2[t]) + pi[c] * (ws->d[t + 1] - ws->d[t]));
+        t++;
+    }
+}
+
+FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *restrict qh,
+                            const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
+                            SFX(ws_t) *ws, i64 m, i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo,
+                            const REAL *whi, const int *two) {
+    i64 n = 0;
+    for (i64 c = 0; c < C; c++) {
+        const i64 i = m + lo[c];
+        if (i >= T) break;
+        const REAL w = two[c] ? wlo[c] : 1;
+        ws->row[n] = i, ws->cf[n] = w * dsh[i * C + c], ws->cf2[n] = w * ph[i * C + c], n++;
+        if (!two[c]) continue;
+        /* the second tap of row i + 1 reads row m; at m = 0 so does row i's (clamped) */
+        if (i + 1 < T)
+            ws->row[n] = i + 1, ws->cf[n] = whi[c] * dsh[(i + 1) * C + c], ws->cf2[n] = whi[c] * ph[(i + 1) * C + c], n++;
+        if (m == 0) ws->row[n] = i, ws->cf[n] = whi[c] * dsh[i * C + c], ws->cf2[n] = whi[c] * ph[i * C + c], n++;
+    }
+    SFX(gather)(dkm, qh, ws->row, ws->cf, n, D);
+    SFX(gather)(dvm, gh_, ws->row, ws->cf2, n, D);
+}
+
+/* Gradients of fa_attn_fwd. dS (B,H,T,C) is scratch; when dfrac (C doubles) is non-NULL,
+ * d loss / d f of each two-tap column is added to it, along (wlo, whi) = (1 - f, f). */
+int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
+                     const REAL *P, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac, i64 B, i64 H, i64 Hk,
+                     i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
+                     REAL scale, int nt) {
+    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        SFX(ws_t) ws = {0};
+        double *acc = dfrac ? calloc(C > 0 ? C : 1, sizeof(double)) : NULL;
+        const int bad = SFX(ws_init)(&ws, C) || (dfrac && !acc);
+        /* pass 1, by query row: dS and dq */
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const i64 o = h * T * D, oc = h * T * C;
+                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++)
+                              SFX(bwd_row)(q + o + i * DD, kb, vb, out + o + i * DD, dout + o + i * DD,
+                                           P + oc + i * C, dS + oc + i * C, dq + o + i * DD, acc, &ws, i, DD, C,
+                                           lo, wlo, whi, two, scale));
+                }
+            }
+        if (acc && !bad) {
+#pragma omp critical
+            for (i64 c = 0; c < C; c++) dfrac[c] += acc[c];
+        }
+        /* pass 2, by key row (after the implicit barrier): dk, dv in gather form */
+#pragma omp for collapse(2) schedule(static)
+        for (i64 bh = 0; bh < B * Hk; bh++)
+            for (i64 blk = 0; blk < nb; blk++) {
+                if (bad) continue;
+                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                REAL *dkb = dk + bh * T * D, *dvb = dv + bh * T * D;
+                for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
+                for (i64 gh = 0; gh < g; gh++) {
+                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                    const i64 o = h * T * D, oc = h * T * C;
+                    FA_BY_DIM(D, for (i64 m = i0; m < i1; m++)
+                              SFX(bwd_col)(dkb + m * DD, dvb + m * DD, q + o, dout + o, P + oc, dS + oc, &ws, m, T,
+                                           DD, C, lo, wlo, whi, two));
+                }
+                for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= scale;
+            }
+        free(acc);
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        } else SFX(ws_free)(&ws);
+    }
+    return failed;
+}
+
+#endif

@@ -1,0 +1,148 @@
+"""A SQLite results database shared by the runs of one folder.
+
+Tables::
+
+    runs(name PK, label, out_dir, config JSON, status, started, finished)
+    metrics(run, step, key, value)              PK (run, step, key)
+    alphas(run, step, layer, alpha)             PK (run, step, layer)
+    eval_results(run, dataset, length, reach, ppl, bpb, tokens, json, created)
+                                                PK (run, dataset, length, reach)
+
+A run's key (``name``) is the basename of its output folder (:func:`run_key`); folders
+that share a parent share a database, so the key is unique within it. The default
+database is ``<parent of train.out_dir>/results.sqlite`` (:func:`default_db_path`);
+``train.results_db`` overrides it (``off`` disables it). Status: running | finished |
+failed | stopped. Writes are short transactions with a generous busy timeout, so
+several training processes may share one database.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Iterable
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    name TEXT PRIMARY KEY, label TEXT, out_dir TEXT, config TEXT, status TEXT,
+    started REAL, finished REAL);
+CREATE TABLE IF NOT EXISTS metrics (
+    run TEXT NOT NULL, step INTEGER NOT NULL, key TEXT NOT NULL, value REAL,
+    PRIMARY KEY (run, step, key));
+CREATE TABLE IF NOT EXISTS alphas (
+    run TEXT NOT NULL, step INTEGER NOT NULL, layer INTEGER NOT NULL, alpha REAL,
+    PRIMARY KEY (run, step, layer));
+CREATE TABLE IF NOT EXISTS eval_results (
+    run TEXT NOT NULL, dataset TEXT NOT NULL, length INTEGER NOT NULL, reach TEXT NOT NULL,
+    ppl REAL, bpb REAL, tokens INTEGER, json TEXT, created REAL,
+    PRIMARY KEY (run, dataset, length, reach));
+"""
+STATUSES = ("running", "finished", "failed", "stopped")
+
+
+def run_key(out_dir) -> str:
+    """The database key of the run written to ``out_dir``: the folder's name."""
+    return Path(out_dir).resolve().name
+
+
+def default_db_path(out_dir) -> Path:
+    return Path(out_dir).resolve().parent / "results.sqlite"
+
+
+def resolve_db_path(out_dir, setting: str = "") -> Path | None:
+    """``train.results_db`` -> a path (``""``: the default, ``off``: ``None``)."""
+    if setting == "off":
+        return None
+    return Path(setting) if setting else default_db_path(out_dir)
+
+
+class ResultsDB:
+    """Thin wrapper over ``sqlite3``; use as a context manager or call :meth:`close`."""
+
+    def __init__(self, path, *, timeout: float = 60.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.conn = sqlite3.connect(str(self.path), timeout=timeout)
+            with self.conn:
+                self.conn.executescript(SCHEMA)
+        except sqlite3.Error as exc:
+            raise ValueError(f"results database {self.path} cannot be opened: {exc}") from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----------------------------------------------------------------- runs
+    def start_run(self, name: str, *, config: dict, out_dir: str = "", label: str = "") -> None:
+        """Insert or update a run as ``running`` (keeps the first ``started`` time)."""
+        with self.conn:
+            self.conn.execute(
+                "INSERT INTO runs (name, label, out_dir, config, status, started, finished) "
+                "VALUES (?, ?, ?, ?, 'running', ?, NULL) ON CONFLICT(name) DO UPDATE SET "
+                "label=excluded.label, out_dir=excluded.out_dir, config=excluded.config, "
+                "status='running', finished=NULL",
+                (name, label, str(out_dir), json.dumps(config, sort_keys=True), time.time()))
+
+    def finish_run(self, name: str, status: str = "finished") -> None:
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        with self.conn:
+            self.conn.execute("UPDATE runs SET status=?, finished=? WHERE name=?", (status, time.time(), name))
+
+    def runs(self) -> list[dict]:
+        cur = self.conn.execute("SELECT name, label, out_dir, config, status, started, finished FROM runs ORDER BY name")
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+    def truncate(self, name: str, after_step: int) -> None:
+        """Forget metrics and alphas logged after ``after_step`` (a resumed run rewrites them)."""
+        with self.conn:
+            self.conn.execute("DELETE FROM metrics WHERE run=? AND step>?", (name, after_step))
+            self.conn.execute("DELETE FROM alphas WHERE run=? AND step>?", (name, after_step))
+
+    # ----------------------------------------------------------------- metrics
+    def log_metrics(self, name: str, step: int, values: dict[str, float]) -> None:
+        rows = [(name, step, k, float(v)) for k, v in values.items()]
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO metrics (run, step, key, value) VALUES (?, ?, ?, ?)", rows)
+
+    def log_alphas(self, name: str, step: int, alphas: Iterable[float]) -> None:
+        rows = [(name, step, i, float(a)) for i, a in enumerate(alphas)]
+        with self.conn:
+            self.conn.executemany("INSERT OR REPLACE INTO alphas (run, step, layer, alpha) VALUES (?, ?, ?, ?)", rows)
+
+    def metrics(self, name: str, key: str) -> list[tuple[int, float]]:
+        cur = self.conn.execute("SELECT step, value FROM metrics WHERE run=? AND key=? ORDER BY step", (name, key))
+        return [(int(s), v) for s, v in cur.fetchall()]
+
+    def alphas(self, name: str) -> dict[int, list[float]]:
+        """``{step: [alpha per layer]}``."""
+        out: dict[int, list[float]] = {}
+        for step, layer, alpha in self.conn.execute(
+                "SELECT step, layer, alpha FROM alphas WHERE run=? ORDER BY step, layer", (name,)):
+            out.setdefault(int(step), []).append(alpha)
+        return out
+
+    # ----------------------------------------------------------------- evaluation
+    def log_eval(self, name: str, dataset: str, length: int, reach: str, *, ppl: float, bpb: float | None = None,
+                 tokens: int = 0, extra: dict | None = None) -> None:
+        with self.conn:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO eval_results (run, dataset, length, reach, ppl, bpb, tokens, json, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, dataset, int(length), reach, float(ppl), None if bpb is None else float(bpb), int(tokens),
+                 json.dumps(extra or {}, sort_keys=True), time.time()))
+
+    def eval_results(self, name: str | None = None) -> list[dict]:
+        sql = "SELECT run, dataset, length, reach, ppl, bpb, tokens, json, created FROM eval_results"
+        cur = self.conn.execute(sql + (" WHERE run=? ORDER BY dataset, length, reach" if name else
+                                       " ORDER BY run, dataset, length, reach"), (name,) if name else ())
+        cols = [c[0] for c in cur.description]
+        return [dict(zip(cols, row)) for row in cur.fetchall()]

@@ -1,0 +1,150 @@
+import json
+import logging
+import sqlite3
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fibattn import checkpoint as ck
+from fibattn.cli import main as cli_main
+from fibattn.config import ConfigError, DataConfig, RunConfig, TrainConfig
+from fibattn.data import ensure_prepared
+from fibattn.presets import tiny
+from fibattn.train import TrainingAborted, accum_steps, train
+from fibattn.trainer.optim import lr_at, param_groups
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "shakespeare"
+    ensure_prepared(DataConfig(out_dir=str(path)), progress=False)
+    return path
+
+
+def micro_cfg(out, data_dir, **train_kw) -> RunConfig:
+    cfg = tiny()
+    m = cfg.model
+    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 2, 2, 1, 32, 4, 6
+    m.backend = "torch"
+    cfg.data.out_dir = str(data_dir)
+    t = dict(out_dir=str(out), steps=6, batch_tokens=128, micro_batch=2, lr=3e-3, warmup_steps=2, log_every=1,
+             ckpt_every=100, eval_tokens=256, threads=1)
+    t.update(train_kw)
+    cfg.train = TrainConfig(**t)
+    return cfg
+
+
+def weights(run_dir, step):
+    return load_file(str(run_dir / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def test_train_writes_outputs(tmp_path, data_dir):
+    out = tmp_path / "runs" / "a"
+    res = train(micro_cfg(out, data_dir, steps=8, eval_every=4, ckpt_every=4, keep_ckpts=1))
+    assert res.status == "finished" and res.step == 8 and res.tokens == 8 * 128 and len(res.losses) == 8
+    assert res.losses[-1][1] < res.losses[0][1]
+    assert set(res.val_loss) == {"shakespeare"}
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 8
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == list(range(1, 9))
+    assert [r["step"] for r in recs if "val/shakespeare/loss" in r] == [4, 8]
+    assert [s for s, _ in ck.list_checkpoints(out / "checkpoints")] == [8]          # keep_ckpts=1
+    c = ck.Checkpoint.open(res.checkpoint)
+    assert c.state("trainer")["step"] == 8 and (res.checkpoint / "tokenizer.json").is_file()
+    db = sqlite3.connect(tmp_path / "runs" / "results.sqlite")
+    assert db.execute("SELECT name, status, label FROM runs").fetchall() == [("a", "finished", "tiny")]
+    assert db.execute("SELECT COUNT(*) FROM metrics WHERE key='loss'").fetchone() == (8,)
+
+
+def test_resume_is_bit_identical(tmp_path, data_dir):
+    full = train(micro_cfg(tmp_path / "full", data_dir))
+    part = train(micro_cfg(tmp_path / "part", data_dir), stop_at=3)
+    assert part.status == "stopped" and part.step == 3
+    rest = train(micro_cfg(tmp_path / "part", data_dir), resume="auto")
+    assert rest.status == "finished" and [s for s, _ in rest.losses] == [4, 5, 6]
+    assert [v for _, v in rest.losses] == [v for _, v in full.losses[3:]]
+    a, b = weights(tmp_path / "full", 6), weights(tmp_path / "part", 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    recs = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_skips_corrupted_checkpoint(tmp_path, data_dir, caplog):
+    out = tmp_path / "r"
+    train(micro_cfg(out, data_dir, ckpt_every=2, keep_ckpts=5), stop_at=4)
+    f = out / "checkpoints" / "step-4" / "optimizer.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="fibattn"):
+        res = train(micro_cfg(out, data_dir, ckpt_every=2, keep_ckpts=5))
+    assert "optimizer.safetensors is truncated" in caplog.text
+    assert [s for s, _ in res.losses] == [3, 4, 5, 6]
+    with pytest.raises(ck.CheckpointError, match="already holds checkpoints"):
+        train(micro_cfg(out, data_dir), resume="never")
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path, data_dir):
+    nan = float("nan")
+    res = train(micro_cfg(tmp_path / "s", data_dir), loss_hook=lambda step, loss: loss * nan if step == 2 else loss)
+    assert res.skipped_steps == 1 and res.status == "finished"
+    recs = [json.loads(line) for line in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("skipped") == 1.0] == [2]
+    out = tmp_path / "abort"
+    with pytest.raises(TrainingAborted, match="2 consecutive non-finite steps .*step 4.*step-2"):
+        train(micro_cfg(out, data_dir, ckpt_every=2, max_bad_steps=2),
+              loss_hook=lambda step, loss: loss * nan if step >= 3 else loss)
+    assert [s for s, _ in ck.list_checkpoints(out / "checkpoints")] == [2]
+    ck.verify(out / "checkpoints" / "step-2")
+
+
+def test_learned_alphas_are_logged(tmp_path, data_dir):
+    cfg = micro_cfg(tmp_path / "runs" / "learned", data_dir, steps=3)
+    cfg.model.schedule = "learned"
+    train(cfg)
+    db = sqlite3.connect(tmp_path / "runs" / "results.sqlite")
+    rows = db.execute("SELECT step, layer, alpha FROM alphas WHERE run='learned' ORDER BY step, layer").fetchall()
+    assert [(s, l) for s, l, _ in rows] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert all(0.5 <= a <= 1.5 for _, _, a in rows)
+
+
+def test_config_errors(tmp_path, data_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="train.out_dir .* not writable"):
+        train(micro_cfg(blocker / "sub", data_dir))
+    with pytest.raises(ConfigError, match="train.out_dir .* not a folder"):
+        train(micro_cfg(blocker, data_dir))
+    with pytest.raises(ConfigError, match="world_size"):
+        accum_steps(micro_cfg(tmp_path, data_dir, batch_tokens=192, micro_batch=2), 2)
+    cfg = micro_cfg(tmp_path / "v", data_dir)
+    cfg.model.vocab_size = 100
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        train(cfg)
+    with pytest.raises(ValueError, match="stop_at"):
+        train(cfg, stop_at=0)
+
+
+def test_lr_schedule_and_decay_groups():
+    t = TrainConfig(steps=100, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0) and lr_at(99, t) == pytest.approx(0.1)
+    assert lr_at(54, t) == pytest.approx(0.55, abs=0.01)
+    from fibattn.model import FibLM
+    cfg = tiny().model
+    cfg.schedule = "learned"
+    decay, no_decay = param_groups(FibLM(cfg), 0.1)
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and any(p.numel() == 1 for p in no_decay["params"])
+
+
+def test_cli(tmp_path, data_dir, capsys):
+    out = tmp_path / "cli"
+    args = ["train", "--preset", "tiny", "--out", str(out), "--set", f"data.out_dir={data_dir}",
+            "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.seq_len=32",
+            "--set", "train.batch_tokens=64", "--set", "train.micro_batch=2", "--set", "train.steps=2",
+            "--set", "train.log_every=1", "--set", "model.backend=torch", "--set", "train.eval_tokens=64"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    assert "step 2/2 | loss " in text and "| tok/s " in text and "finished: step 2" in text
+    assert cli_main(["train", "--preset", "tiny", "--config", "x.json"]) == 2
+    assert cli_main(["train", "--preset", "tiny", "--set", "train.steps=-1"]) == 2

@@ -1,0 +1,77 @@
+"""DDP on CPU (gloo): ``torchrun`` with 2 processes matches one process with the same global batch."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fibattn import config as C
+from fibattn.config import DataConfig, TrainConfig
+from fibattn.data import ensure_prepared
+from fibattn.presets import tiny
+from fibattn.train import train
+
+
+def cfg_for(out, data_dir):
+    cfg = tiny()
+    m = cfg.model
+    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 2, 2, 1, 32, 4, 6
+    m.backend = "torch"
+    cfg.data.out_dir = str(data_dir)
+    cfg.train = TrainConfig(out_dir=str(out), steps=4, batch_tokens=256, micro_batch=2, lr=3e-3, warmup_steps=1,
+                            log_every=1, ckpt_every=100, eval_tokens=256, threads=1)
+    return cfg
+
+
+def torchrun(cfg_path, out, *extra):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "fibattn.cli", "train", "--config", str(cfg_path), "--out", str(out), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def losses(out):
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in recs if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    data_dir = root / "data"
+    ensure_prepared(DataConfig(out_dir=str(data_dir)), progress=False)
+    single = train(cfg_for(root / "one", data_dir))
+    cfg_path = root / "cfg.json"
+    C.save(cfg_for(root / "unused", data_dir), cfg_path)
+    return root, cfg_path, single
+
+
+def check_matches(root, out, single):
+    assert losses(out) == pytest.approx([v for _, v in single.losses], rel=1e-4)
+    a = load_file(str(root / "one" / "checkpoints" / "step-4" / "model.safetensors"))
+    b = load_file(str(out / "checkpoints" / "step-4" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_two_processes_match_one(setup, tmp_path):
+    root, cfg_path, single = setup
+    out = tmp_path / "two"
+    assert "finished: step 4" in torchrun(cfg_path, out)
+    check_matches(root, out, single)
+    files = set(os.listdir(out / "checkpoints" / "step-4"))
+    assert {"loader-rank0.json", "loader-rank1.json", "rng-rank0.json", "rng-rank1.json"} <= files
+
+
+@pytest.mark.slow
+def test_two_processes_stop_and_resume(setup, tmp_path):
+    root, cfg_path, single = setup
+    out = tmp_path / "two"
+    assert "stopped: step 2" in torchrun(cfg_path, out, "--stop-at", "2")
+    assert "finished: step 4" in torchrun(cfg_path, out)
+    check_matches(root, out, single)
