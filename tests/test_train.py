@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from fibattn import checkpoint as ck
 from fibattn.cli import main as cli_main
-from fibattn.config import ConfigError, DataConfig, RunConfig, TrainConfig
+from fibattn.config import ConfigError, RunConfig, TrainConfig
 from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
 from fibattn.train import TrainingAborted, accum_steps, train
@@ -18,7 +18,9 @@ from fibattn.trainer.optim import lr_at, param_groups
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "shakespeare"
-    ensure_prepared(DataConfig(out_dir=str(path)), progress=False)
+    dcfg = tiny().data
+    dcfg.out_dir = str(path)
+    ensure_prepared(dcfg, progress=False)
     return path
 
 
@@ -81,6 +83,10 @@ def test_resume_skips_corrupted_checkpoint(tmp_path, data_dir, caplog):
     assert [s for s, _ in res.losses] == [3, 4, 5, 6]
     with pytest.raises(ck.CheckpointError, match="already holds checkpoints"):
         train(micro_cfg(out, data_dir), resume="never")
+    changed = micro_cfg(out, data_dir, steps=8)
+    changed.model.window = 5
+    with pytest.raises(ck.CheckpointError, match="model.window is 5"):
+        train(changed)
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, data_dir):
@@ -148,3 +154,57 @@ def test_cli(tmp_path, data_dir, capsys):
     assert "step 2/2 | loss " in text and "| tok/s " in text and "finished: step 2" in text
     assert cli_main(["train", "--preset", "tiny", "--config", "x.json"]) == 2
     assert cli_main(["train", "--preset", "tiny", "--set", "train.steps=-1"]) == 2
+
+
+def test_load_run(tmp_path, data_dir):
+    from fibattn.runs import load_run
+    out = tmp_path / "lr"
+    train(micro_cfg(out, data_dir, steps=4, ckpt_every=2, keep_ckpts=3))
+    model, cfg, tok = load_run(out)
+    assert cfg.train.steps == 4 and not model.training
+    w = weights(out, 4)
+    assert all(torch.equal(model.state_dict()[k], w[k]) for k in w)
+    assert tok.decode(tok.encode("To be")) == "To be"
+    model2, cfg2, _ = load_run(out / "checkpoints" / "step-2", model_overrides=["model.reach=train"])
+    assert cfg2.model.reach == "train" and not torch.equal(model2.embed.weight, model.embed.weight)
+    f = out / "checkpoints" / "step-4" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-1])
+    assert load_run(out)[1].train.steps == 4                           # falls back to step-2
+    with pytest.raises(ck.CheckpointError, match="model.safetensors"):
+        load_run(out, step=4)
+    with pytest.raises(FileNotFoundError, match="have: 2, 4"):
+        load_run(out, step=3)
+    with pytest.raises(ValueError, match="model_overrides"):
+        load_run(out, model_overrides=["model.window=3"])
+
+
+def test_sigterm_stops_with_checkpoint(tmp_path, data_dir):
+    import os
+    import signal
+
+    def hook(step, loss):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    res = train(micro_cfg(tmp_path / "t", data_dir), loss_hook=hook)
+    assert res.status == "stopped" and res.step == 3
+    ck.verify(tmp_path / "t" / "checkpoints" / "step-3")
+    assert train(micro_cfg(tmp_path / "t", data_dir)).status == "finished"
+
+
+def test_bench_train_smoke(capsys):
+    from fibattn.bench import train as bt
+    rows = bt.bench([64], steps=1, tokens=128)
+    assert rows[0]["length"] == 64 and rows[0]["batch"] == 2 and rows[0]["ratio"] > 0
+    with pytest.raises(ConfigError, match="--lengths"):
+        bt._ints("1024,x", "--lengths")
+
+
+@pytest.mark.parametrize("kw, package", [({"tensorboard": True}, "tensorboard"), ({"wandb": True}, "wandb")])
+def test_trackers_need_their_package(tmp_path, kw, package):
+    import importlib.util
+    from fibattn.trainer.logs import MetricSinks
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(ConfigError, match=f"train.{package}=true needs the {package} package"):
+        MetricSinks(tmp_path, "r", None, **kw)

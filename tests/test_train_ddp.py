@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from fibattn import config as C
-from fibattn.config import DataConfig, TrainConfig
+from fibattn.config import TrainConfig
 from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
 from fibattn.train import train
@@ -44,7 +44,9 @@ def losses(out):
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     data_dir = root / "data"
-    ensure_prepared(DataConfig(out_dir=str(data_dir)), progress=False)
+    dcfg = tiny().data
+    dcfg.out_dir = str(data_dir)
+    ensure_prepared(dcfg, progress=False)
     single = train(cfg_for(root / "one", data_dir))
     cfg_path = root / "cfg.json"
     C.save(cfg_for(root / "unused", data_dir), cfg_path)

@@ -74,7 +74,6 @@ class DataConfig:
     val_fraction: float = 0.01     # held-out share of each source (deterministic)
     val_tokens_max: int = 1 << 21
     shard_tokens: int = 1 << 26
-    seed: int = 1234
 
 
 @dataclass
@@ -209,7 +208,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 current = getattr(target, part)
                 if dataclasses.is_dataclass(current):
                     raise ConfigError(f"{key} is a section; set one of its fields, e.g. {key}.<field>=...")
-                setattr(target, part, _parse_value(text, current, key))
+                value = _parse_value(text, current, key)
+                if part == "sources":
+                    value = [v if isinstance(v, SourceConfig) else _build(SourceConfig, v, f"{key}[{j}]")
+                             for j, v in enumerate(value)]
+                setattr(target, part, value)
             else:
                 target = getattr(target, part)
     return cfg

@@ -124,3 +124,8 @@ class FibLM(nn.Module):
     def distances(self, seq_len: int) -> list[list[int]]:
         """Attended distances per layer at ``seq_len`` (dense: ``0..seq_len-1``)."""
         return [layer.distances(seq_len) for layer in self.layers()]
+
+    def generate(self, prompt_ids, **kwargs):
+        """Stream new tokens with constant-memory sparse KV caches; see :func:`fibattn.generate.generate`."""
+        from .generate import generate
+        return generate(self, prompt_ids, **kwargs)

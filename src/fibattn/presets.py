@@ -4,15 +4,27 @@ from __future__ import annotations
 from .config import DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig
 
 
+MATH_SUBSETS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                "prealgebra", "precalculus")
+
+
 def study_mixture() -> list[SourceConfig]:
-    """SPEC §4's training mixture (Hugging Face ids, streamed)."""
+    """SPEC §4's training mixture (Hugging Face ids, streamed).
+
+    ``max_docs`` caps each stream at roughly its share of the 426M training tokens plus
+    the held-out split (average document lengths: FineWeb-Edu ~1k tokens, Wikipedia
+    ~0.7k, TinyStories ~0.2k, maths ~0.3k), so preparing never downloads whole corpora.
+    """
     return [
-        SourceConfig(name="fineweb_edu", kind="hf", path="HuggingFaceFW/fineweb-edu", subset="sample-10BT", weight=0.35),
-        SourceConfig(name="wikipedia", kind="hf", path="wikimedia/wikipedia", subset="20231101.en", weight=0.22),
-        SourceConfig(name="tinystories", kind="hf", path="roneneldan/TinyStories", weight=0.20),
-        SourceConfig(name="math", kind="hf", path="hendrycks/competition_math", text_field="problem", weight=0.08),
+        SourceConfig(name="fineweb_edu", kind="hf", path="HuggingFaceFW/fineweb-edu", subset="sample-10BT",
+                     weight=0.35, max_docs=200_000),
+        SourceConfig(name="wikipedia", kind="hf", path="wikimedia/wikipedia", subset="20231101.en", weight=0.22,
+                     max_docs=200_000),
+        SourceConfig(name="tinystories", kind="hf", path="roneneldan/TinyStories", weight=0.20, max_docs=600_000),
+        *[SourceConfig(name=f"math_{sub}", kind="hf", path="EleutherAI/hendrycks_math", subset=sub,
+                       text_field="solution", weight=0.08 / len(MATH_SUBSETS)) for sub in MATH_SUBSETS],
         SourceConfig(name="openmath", kind="hf", path="nvidia/OpenMathInstruct-2", text_field="generated_solution",
-                     weight=0.15),
+                     weight=0.15, max_docs=300_000),
     ]
 
 
@@ -34,7 +46,7 @@ def tiny() -> RunConfig:
         name="tiny",
         model=ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=256,
                           window=8, base_k=10),
-        data=DataConfig(),
+        data=DataConfig(val_fraction=0.05),
         train=TrainConfig(out_dir="runs/tiny", steps=600, batch_tokens=8192, micro_batch=16, lr=3e-3,
                           warmup_steps=50, log_every=25, ckpt_every=200, eval_tokens=1 << 15),
         eval=EvalConfig(lengths=[256, 1024], tokens=1 << 16, batch_size=8),

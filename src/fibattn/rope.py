@@ -1,9 +1,13 @@
-"""Rotary position embeddings (RoPE), "rotate-half" convention.
+"""Rotary position embeddings (RoPE), interleaved-pair convention.
 
-Layout: x ``(B, H, T, Dh)`` with ``Dh`` even; position of row ``t`` is ``offset + t``.
-Dimension pairs are ``(j, j + Dh/2)`` rotated by angle ``pos * theta ** (-2j / Dh)``.
-cos/sin tables are computed in float64 on demand for the positions asked for (never
-for all of ``max_seq_len`` at once) and cached for the longest prefix seen so far.
+Layout: x ``(B, H, T, Dh)`` (any strides with a unit last stride) with ``Dh`` even; the
+position of row ``t`` is ``offset + t``. Dimension pairs ``(2j, 2j + 1)`` are read as the
+complex number ``x[2j] + i x[2j+1]`` and multiplied by ``exp(i * pos * theta ** (-2j / Dh))``
+(one complex multiply forward and backward). The result is contiguous, in x's dtype;
+the rotation is computed in float32 from float64 angle tables.
+
+Tables are computed on demand for the positions asked for (never all of
+``max_seq_len`` at once) and cached per device for the longest prefix seen so far.
 """
 from __future__ import annotations
 
@@ -26,41 +30,35 @@ class RotaryEmbedding(nn.Module):
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
             raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
         self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
-        half = head_dim // 2
         # a plain float64 CPU tensor, not a buffer: model.to(bfloat16) must not round it
-        self._inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / head_dim)
-        self._cache: dict = {}        # (device, dtype) -> (cos, sin) for positions 0..n-1
+        self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64) * 2 / head_dim)
+        self._cache: dict = {}        # device -> complex64 (n, Dh/2) for positions 0..n-1
 
-    def tables(self, end: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``(end, Dh/2)`` for positions ``0..end-1``."""
+    def rotations(self, end: int, device) -> torch.Tensor:
+        """``exp(i * pos * freq)`` as complex64 ``(end, Dh/2)`` for positions ``0..end-1``."""
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} exceeds model.max_seq_len={self.max_seq_len}; "
                              f"raise model.max_seq_len (positions must be < max_seq_len)")
-        key = (str(device), dtype)
+        key = str(device)
         hit = self._cache.get(key)
-        if hit is None or hit[0].shape[0] < end:
-            n = max(end, 2 * hit[0].shape[0] if hit is not None else 0)
+        if hit is None or hit.shape[0] < end:
+            n = max(end, 2 * hit.shape[0] if hit is not None else 0)
             n = min(max(n, 256), self.max_seq_len)
-            pos = torch.arange(n, dtype=torch.float64)
-            ang = pos[:, None] * self._inv_freq[None, :]
-            hit = (ang.cos().to(device=device, dtype=dtype), ang.sin().to(device=device, dtype=dtype))
+            ang = torch.arange(n, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
+            hit = torch.polar(torch.ones_like(ang), ang).to(device=device, dtype=torch.complex64)
             self._cache[key] = hit
-        return hit[0][:end], hit[1][:end]
+        return hit[:end]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
             raise ValueError(f"RoPE expects (B, H, T, {self.head_dim}), got {tuple(x.shape)}")
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
-        T = x.shape[2]
-        cos, sin = self.tables(offset + T, x.device, torch.float32)
-        cos, sin = cos[offset:], sin[offset:]
-        xf = x.float()
-        half = self.head_dim // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return out.to(x.dtype)
+        B, H, T, Dh = x.shape
+        rot = self.rotations(offset + T, x.device)[offset:]
+        xc = torch.view_as_complex(x.float().reshape(B, H, T, Dh // 2, 2))
+        return torch.view_as_real(xc * rot).reshape(B, H, T, Dh).to(x.dtype)
 
-    def _apply(self, fn, recurse=True):      # .to(device) / .half() drop the cached tables
+    def _apply(self, fn, recurse=True):      # .to(device) drops the cached tables
         self._cache = {}
         return super()._apply(fn, recurse)

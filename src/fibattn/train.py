@@ -163,7 +163,8 @@ class Trainer:
                                              rank=dist.rank, world_size=dist.world_size)
         self.autocast = autocast_for(t.precision, dist.device)
         self.step, self.tokens, self.skipped, self.bad, self.elapsed = 0, 0, 0, 0, 0.0
-        self.stop_requested = False
+        self.stop_requested = False          # set by SIGTERM on this process
+        self.stop_agreed = False             # any rank asked to stop (all-reduced each step)
         self.resumed_from: Path | None = None
         self.tokenizer_file = tokenizer_file(self.data)
 
@@ -218,7 +219,7 @@ class Trainer:
         D.all_reduce_sum(self.dist, flags)
         loss_v, bad_norm, stop = flags.tolist()
         loss_v /= self.dist.world_size
-        self.stop_requested = stop > 0
+        self.stop_agreed = stop > 0          # every rank sees the same value: no rank leaves the loop alone
         ok = math.isfinite(loss_v) and bad_norm == 0
         if ok:
             self.opt.step()
@@ -304,7 +305,7 @@ class Trainer:
         learned = self.cfg.model.attention == "sparse" and self.cfg.model.schedule == "learned"
         win_loss, win_n, win_time, win_steps = 0.0, 0, 0.0, 0
         last_saved = self.resumed_from
-        while self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_requested:
+        while self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_agreed:
             t0 = time.perf_counter()
             loss, gnorm, ok = self.train_step()
             dt = time.perf_counter() - t0

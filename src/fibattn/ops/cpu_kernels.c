@@ -29,33 +29,36 @@ typedef int64_t i64;
 #define FA_BLOCK 64
 #define FA_INLINE static inline __attribute__((always_inline))
 
+/* SIMD width in bytes for the GCC vector types of the hot loops (lowered to what the CPU has). */
+#if defined(__AVX512F__)
+#define FA_VBYTES 64
+#else
+#define FA_VBYTES 32
+#endif
+#define FA_VL (FA_VBYTES / FA_RBYTES)
+
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
 
 int fa_abi_version(void) { return 3; }
 
-/* Dispatch a row kernel on the head dim so that common sizes are compile-time constants. */
-#define FA_BY_DIM(D, ...)                                                                   \
-    do {                                                                                     \
-        if ((D) == 64) { const i64 DD = 64; __VA_ARGS__; }                                          \
-        else if ((D) == 128) { const i64 DD = 128; __VA_ARGS__; }                                   \
-        \
-        else { const i64 DD = (D); __VA_ARGS__; }                                                   \
-    } while (0)
-
 #define REAL float
+#define FA_RBYTES 4
 #define SFX(x) x##_f32
 #define EXPR expf
 #include __FILE__
 #undef REAL
+#undef FA_RBYTES
 #undef SFX
 #undef EXPR
 
 #define REAL double
+#define FA_RBYTES 8
 #define SFX(x) x##_f64
 #define EXPR exp
 #include __FILE__
 #undef REAL
+#undef FA_RBYTES
 #undef SFX
 #undef EXPR
 
@@ -73,10 +76,60 @@ FA_INLINE void SFX(zero)(REAL *restrict y, i64 D) {
     for (i64 e = 0; e < D; e++) y[e] = 0;
 }
 
-/* out[t] = x . base[rows[t]] for t < n, four rows at a time (independent accumulators). */
-FA_INLINE void SFX(dots)(const REAL *restrict x, const REAL *restrict base, const i64 *restrict rows, i64 n,
+/* Vector types: ``vec`` holds FA_VL values; ``uvec`` is its unaligned, aliasing twin for loads. */
+typedef REAL SFX(vec) __attribute__((vector_size(FA_VBYTES)));
+typedef REAL SFX(uvec) __attribute__((vector_size(FA_VBYTES), aligned(FA_RBYTES), may_alias));
+typedef REAL SFX(half) __attribute__((vector_size(FA_VBYTES / 2)));
+typedef REAL SFX(quarter) __attribute__((vector_size(FA_VBYTES / 4)));
+#define VLD(p) (*(const SFX(uvec) *)(p))
+#define VST(p, x) (*(SFX(uvec) *)(p) = (x))
+
+FA_INLINE REAL SFX(hsum)(SFX(vec) a) {
+#if FA_VL == 16
+    SFX(half) h = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    SFX(quarter) r = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (r[0] + r[2]) + (r[1] + r[3]);
+#elif FA_VL == 8
+    SFX(half) h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+#elif FA_VL == 4
+    return (a[0] + a[2]) + (a[1] + a[3]);
+#else
+    REAL s = 0;
+    for (int l = 0; l < FA_VL; l++) s += a[l];
+    return s;
+#endif
+}
+
+/* out[t] = x . base[rows[t]] for t < n, four rows at a time (independent accumulators).
+ * The vector path runs when D is a multiple of the SIMD width. */
+static __attribute__((noinline)) void SFX(dots)(const REAL *restrict x, const REAL *restrict base, const i64 *restrict rows, i64 n,
                          i64 D, REAL *restrict out) {
     i64 t = 0;
+    if (D % FA_VL == 0) {
+        const i64 NV = D / FA_VL;
+        for (; t + 4 <= n; t += 4) {
+            const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
+            const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
+            SFX(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (i64 u = 0; u < NV; u++) {
+                const SFX(vec) xe = VLD(x + u * FA_VL);
+                a0 += xe * VLD(r0 + u * FA_VL);
+                a1 += xe * VLD(r1 + u * FA_VL);
+                a2 += xe * VLD(r2 + u * FA_VL);
+                a3 += xe * VLD(r3 + u * FA_VL);
+            }
+            out[t] = SFX(hsum)(a0), out[t + 1] = SFX(hsum)(a1), out[t + 2] = SFX(hsum)(a2), out[t + 3] = SFX(hsum)(a3);
+        }
+        for (; t < n; t++) {
+            const REAL *r0 = base + rows[t] * D;
+            SFX(vec) a0 = {0};
+            for (i64 u = 0; u < NV; u++) a0 += VLD(x + u * FA_VL) * VLD(r0 + u * FA_VL);
+            out[t] = SFX(hsum)(a0);
+        }
+        return;
+    }
     for (; t + 4 <= n; t += 4) {
         const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
         const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
@@ -95,9 +148,26 @@ FA_INLINE void SFX(dots)(const REAL *restrict x, const REAL *restrict base, cons
 }
 
 /* acc += sum_t coef[t] * base[rows[t]], four rows at a time. */
-FA_INLINE void SFX(gather)(REAL *restrict acc, const REAL *restrict base, const i64 *restrict rows,
+static __attribute__((noinline)) void SFX(gather)(REAL *restrict acc, const REAL *restrict base, const i64 *restrict rows,
                            const REAL *restrict coef, i64 n, i64 D) {
     i64 t = 0;
+    if (D % FA_VL == 0) {
+        const i64 NV = D / FA_VL;
+        for (; t + 4 <= n; t += 4) {
+            const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
+            const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
+            const REAL c0 = coef[t], c1 = coef[t + 1], c2 = coef[t + 2], c3 = coef[t + 3];
+            for (i64 u = 0; u < NV; u++) {
+                const i64 o = u * FA_VL;
+                VST(acc + o, VLD(acc + o) + c0 * VLD(r0 + o) + c1 * VLD(r1 + o) + c2 * VLD(r2 + o) + c3 * VLD(r3 + o));
+            }
+        }
+        for (; t < n; t++) {
+            const REAL *r0 = base + rows[t] * D, c0 = coef[t];
+            for (i64 u = 0; u < NV; u++) VST(acc + u * FA_VL, VLD(acc + u * FA_VL) + c0 * VLD(r0 + u * FA_VL));
+        }
+        return;
+    }
     for (; t + 4 <= n; t += 4) {
         const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
         const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
@@ -156,10 +226,10 @@ int SFX(fa_scores)(const REAL *q, const REAL *k, REAL *out, i64 B, i64 H, i64 Hk
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * n;
-                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++) {
+                    for (i64 i = i0; i < i1; i++) {
                         for (i64 j = 0; j < n; j++) ws.row[j] = fa_max0(i - d[j]);
-                        SFX(dots)(qh + i * DD, kb, ws.row, n, DD, oh + i * n);
-                    });
+                        SFX(dots)(qh + i * D, kb, ws.row, n, D, oh + i * n);
+                    }
                 }
             }
         if (bad) {
@@ -189,11 +259,11 @@ int SFX(fa_wsum)(const REAL *p, const REAL *v, REAL *out, i64 B, i64 H, i64 Hk, 
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *ph = p + h * T * n;
                     REAL *oh = out + h * T * D;
-                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++) {
+                    for (i64 i = i0; i < i1; i++) {
                         for (i64 j = 0; j < n; j++) ws.row[j] = fa_max0(i - d[j]);
-                        SFX(zero)(oh + i * DD, DD);
-                        SFX(gather)(oh + i * DD, vb, ws.row, ph + i * n, n, DD);
-                    });
+                        SFX(zero)(oh + i * D, D);
+                        SFX(gather)(oh + i * D, vb, ws.row, ph + i * n, n, D);
+                    }
                 }
             }
         if (bad) {
@@ -223,14 +293,14 @@ int SFX(fa_wsum_t)(const REAL *p, const REAL *x, REAL *out, i64 B, i64 H, i64 Hk
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *ph = p + h * T * n, *xh = x + h * T * D;
-                    FA_BY_DIM(D, for (i64 m = i0; m < i1; m++) {
+                    for (i64 m = i0; m < i1; m++) {
                         i64 cnt = 0;
                         for (i64 j = 0; j < n; j++) {
                             const i64 i = m + d[j];
                             if (i < T) ws.row[cnt] = i, ws.cf[cnt++] = ph[i * n + j];
                         }
-                        SFX(gather)(yb + m * DD, xh, ws.row, ws.cf, cnt, DD);
-                    });
+                        SFX(gather)(yb + m * D, xh, ws.row, ws.cf, cnt, D);
+                    }
                 }
             }
         /* rows i < d_j were clamped to row 0 (after the barrier above; one thread per head) */
@@ -311,9 +381,9 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * D, *ph = P + h * T * C;
-                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++)
-                              SFX(fwd_row)(qh + i * DD, kb, vb, oh + i * DD, ph + i * C, &ws, i, DD, C, lo, wlo,
-                                           whi, two, scale));
+                    for (i64 i = i0; i < i1; i++)
+                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &ws, i, D, C, lo, wlo, whi, two,
+                                     scale);
                 }
             }
         if (bad) {
@@ -394,10 +464,9 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
-                    FA_BY_DIM(D, for (i64 i = i0; i < i1; i++)
-                              SFX(bwd_row)(q + o + i * DD, kb, vb, out + o + i * DD, dout + o + i * DD,
-                                           P + oc + i * C, dS + oc + i * C, dq + o + i * DD, acc, &ws, i, DD, C,
-                                           lo, wlo, whi, two, scale));
+                    for (i64 i = i0; i < i1; i++)
+                        SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + oc + i * C,
+                                     dS + oc + i * C, dq + o + i * D, acc, &ws, i, D, C, lo, wlo, whi, two, scale);
                 }
             }
         if (acc && !bad) {
@@ -415,9 +484,9 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
-                    FA_BY_DIM(D, for (i64 m = i0; m < i1; m++)
-                              SFX(bwd_col)(dkb + m * DD, dvb + m * DD, q + o, dout + o, P + oc, dS + oc, &ws, m, T,
-                                           DD, C, lo, wlo, whi, two));
+                    for (i64 m = i0; m < i1; m++)
+                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &ws, m, T, D, C,
+                                     lo, wlo, whi, two);
                 }
                 for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= scale;
             }

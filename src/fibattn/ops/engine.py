@@ -47,6 +47,10 @@ class Columns:
     two: tuple[bool, ...]
     b: tuple[int, ...]
 
+    def __post_init__(self):
+        if any(a > b for a, b in zip(self.lo, self.lo[1:])):
+            raise ValueError(f"Columns.lo must be sorted ascending, got {self.lo}")
+
 
 def integer_columns(dists: list[int]) -> Columns:
     n = len(dists)
@@ -54,12 +58,14 @@ def integer_columns(dists: list[int]) -> Columns:
 
 
 def plan_columns(plan: InterpolationPlan, alpha: float) -> Columns:
-    """The window columns, then one two-tap column per used rung (``frac = alpha * b - lo``)."""
+    """The window columns, then one two-tap column per used rung (``frac = alpha * b - lo``),
+    ordered by ``lo`` (a custom base need not be sorted)."""
     cols = integer_columns(list(plan.window))
-    fracs = [alpha * b - lo for lo, b in plan.rungs]
-    return Columns(cols.lo + tuple(lo for lo, _ in plan.rungs), cols.wlo + tuple(1 - f for f in fracs),
+    rungs = sorted(plan.rungs)
+    fracs = [alpha * b - lo for lo, b in rungs]
+    return Columns(cols.lo + tuple(lo for lo, _ in rungs), cols.wlo + tuple(1 - f for f in fracs),
                    cols.whi + tuple(fracs), cols.two + (True,) * len(fracs),
-                   cols.b + tuple(b for _, b in plan.rungs))
+                   cols.b + tuple(b for _, b in rungs))
 
 
 class _SparseAttention(torch.autograd.Function):

@@ -26,6 +26,8 @@ from .distributed import DistInfo, barrier, broadcast_int
 
 log = logging.getLogger("fibattn")
 
+RUNTIME_MODEL_KEYS = ("backend", "reach", "max_seq_len")   # may change on resume: the weights do not depend on them
+
 
 def rng_state(device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -96,13 +98,13 @@ def find_resume(out_dir, resume: str, dist: DistInfo) -> Path | None:
 def check_compatible(saved: dict, cfg: RunConfig, path: Path) -> list[str]:
     """Raise if the model differs from the checkpoint's; return other changed keys."""
     now = to_dict(cfg)
-    diff_model = sorted(k for k in set(saved["model"]) | set(now["model"])
-                        if saved["model"].get(k) != now["model"].get(k))
+    keys = set(saved["model"]) | set(now["model"])
+    diff_model = sorted(k for k in keys - set(RUNTIME_MODEL_KEYS) if saved["model"].get(k) != now["model"].get(k))
     if diff_model:
         k = diff_model[0]
         raise ck.CheckpointError(f"cannot resume from {path}: model.{k} is {now['model'].get(k)!r} but the "
                                  f"checkpoint has {saved['model'].get(k)!r}")
-    changed = []
+    changed = [f"model.{k}" for k in RUNTIME_MODEL_KEYS if saved["model"].get(k) != now["model"].get(k)]
     for section in ("data", "train"):
         for k in sorted(set(saved[section]) | set(now[section])):
             if saved[section].get(k) != now[section].get(k) and k != "out_dir":

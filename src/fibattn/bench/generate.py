@@ -1,0 +1,273 @@
+"""``fibattn bench generate``: per-token decode latency, cache memory and prefill time.
+
+Variants (random weights, fp32, batch 1): ``dense``; ``static`` (fib base, linear schedule,
+W=12, 15 rungs); ``learned`` (the same with a learned alpha started from linear: alpha·b is
+fractional, so each rung interpolates two rows). Shapes: the ``tiny`` and ``paper`` presets.
+
+- Decode: a :class:`fibattn.generate.DecodeSession` per (variant, context) is put at
+  position ``context - 1`` with *random* cached keys/values (no prefill is run: a dense
+  64K prefill would take too long on a CPU), then ``--steps`` tokens are timed per block;
+  blocks run interleaved (rep → context → variant) so all numbers are side by side, with
+  ``--decode-threads`` threads (default 1). Reported: the best block's time per token
+  (load from other processes only adds time) and the cache bytes.
+- Prefill: one timed prompt of each ``--prefill`` length, total and inside the attention
+  core. For models deeper than 4 layers only ``--prefill-layers`` blocks (default 1, the
+  middle one) run and times are scaled by ``n_layers / K`` (blocks cost the same).
+
+Goals on a CPU: sparse decode at the longest context within 1.2× of the shortest, with
+the same cache size once the distance set is complete; learned ≤ 1.5× static; sparse
+prefill at 16K ≥ 10× faster than dense. The whole-model prefill ratio is bounded by the
+projections and feed-forward layers both variants run (Amdahl), so the attention-core
+ratio is printed next to it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+import types
+
+import torch
+
+from ..config import ConfigError
+from ..generate import DecodeSession
+from ..kvcache import layer_read_plan
+from ..model import FibLM
+from ..presets import get_preset
+
+VARIANTS = ("dense", "static", "learned")
+
+
+def _list(text: str, name: str, kind=int, allowed=None) -> list:
+    try:
+        vals = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be a comma-separated list, got {text!r}") from None
+    if not vals:
+        raise ConfigError(f"{name} must not be empty")
+    if allowed is not None and any(v not in allowed for v in vals):
+        raise ConfigError(f"{name} values must be among {', '.join(allowed)}, got {text!r}")
+    if kind is int and any(v < 2 for v in vals):
+        raise ConfigError(f"{name} must list integers >= 2, got {text!r}")
+    return vals
+
+
+def configure_parser(parser) -> None:
+    parser.add_argument("--contexts", default="1024,4096,16384,65536", help="decode contexts")
+    parser.add_argument("--prefill", default="4096,16384", help="prefill lengths (empty list not allowed)")
+    parser.add_argument("--shapes", default="tiny,paper", help="model shapes: tiny, paper")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="dense, static, learned")
+    parser.add_argument("--steps", type=int, default=6, help="timed decode tokens per block (default 6)")
+    parser.add_argument("--reps", type=int, default=4, help="interleaved decode blocks (default 4)")
+    parser.add_argument("--prefill-layers", type=int, default=1,
+                        help="blocks run for prefill when a model has more than 4 (default 1: the middle one)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads for prefill (0: torch default)")
+    parser.add_argument("--decode-threads", type=int, default=1,
+                        help="torch CPU threads while decoding (default 1: one token is many tiny ops, and "
+                             "OpenMP wake-ups dominate them on a shared CPU; 0: as --threads)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def model_config(shape: str, variant: str):
+    cfg = copy.deepcopy(get_preset(shape).model)
+    cfg.max_seq_len = max(cfg.max_seq_len, 1 << 20)
+    if variant == "dense":
+        cfg.attention = "dense"
+        return cfg
+    cfg.attention, cfg.base, cfg.base_k, cfg.window = "sparse", "fib", 15, 12
+    cfg.schedule = "linear" if variant == "static" else "learned"
+    cfg.learned_init = "linear"
+    return cfg
+
+
+def build(shape: str, variant: str) -> FibLM:
+    torch.manual_seed(0)
+    return FibLM(model_config(shape, variant)).eval()
+
+
+# ----------------------------------------------------------------------------- measuring
+@torch.no_grad()
+def decode_latency(models: dict, contexts: list[int], steps: int, reps: int, threads: int = 0) -> dict:
+    """``{(variant, context): (median ms per token, cache bytes)}``, interleaved."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _decode_latency(models, contexts, steps, reps)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    sessions = {}
+    for name, model in models.items():
+        for ctx in contexts:
+            s = DecodeSession(model, 1, ctx + (reps + 1) * steps + 2)
+            s.random_history(ctx, gen)
+            sessions[name, ctx] = s
+    token = torch.zeros(1, dtype=torch.long)
+    times: dict = {key: [] for key in sessions}
+    for rep in range(reps + 1):                   # rep 0 warms up
+        for ctx in contexts:
+            for name in models:
+                s = sessions[name, ctx]
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    s.step(token)
+                if rep:
+                    times[name, ctx].append((time.perf_counter() - t0) / steps * 1e3)
+    # the best block: other processes sharing the CPU only ever add time
+    return {key: (min(v), sessions[key].cache_bytes) for key, v in times.items()}
+
+
+def full_set_context(model: FibLM) -> int:
+    """The shortest context at which every layer's ring has its final size."""
+    return max(layer_read_plan(layer, model.cfg.max_seq_len).span for layer in model.layers())
+
+
+def _shallow(model: FibLM, layers: int):
+    L = len(model.blocks)
+    if L <= 4 or layers >= L:
+        return model, 1.0
+    picks = [L // 2] if layers == 1 else sorted({round(i * (L - 1) / (layers - 1)) for i in range(layers)})
+    view = types.SimpleNamespace(embed=model.embed, norm=model.norm, cfg=model.cfg,
+                                 blocks=[model.blocks[i] for i in picks])
+    return view, L / len(picks)
+
+
+@torch.no_grad()
+def prefill_time(model: FibLM, length: int, layers: int) -> tuple[float, float, int]:
+    """Seconds to prefill ``length`` random tokens and, of those, seconds in the attention
+    core (both scaled to full depth), and the number of blocks run."""
+    view, scale = _shallow(model, layers)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    session = DecodeSession(view, 1, length + 1)
+    core, spent = session._prefill_core, [0.0]
+
+    def timed_core(*args):
+        t = time.perf_counter()
+        out = core(*args)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    session._prefill_core = timed_core
+    t0 = time.perf_counter()
+    session.prefill([0], ids)
+    return (time.perf_counter() - t0) * scale, spent[0] * scale, len(view.blocks)
+
+
+def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> list[dict]:
+    models = {v: build(shape, v) for v in variants}
+    lat = decode_latency(models, contexts, args.steps, args.reps, args.decode_threads)
+    records = {}
+    for (v, ctx), (ms, nbytes) in lat.items():
+        records[v, ctx] = dict(shape=shape, variant=v, context=ctx, decode_ms=ms, cache_bytes=nbytes)
+        if v != "dense":        # from this context on the distance sets (and rings) stop growing
+            records[v, ctx]["full_set_context"] = full_set_context(models[v])
+    for v in variants:                 # warm-up: kernel build / load, RoPE tables
+        prefill_time(models[v], 64, args.prefill_layers)
+    for length in prefill:
+        for v in variants:
+            sec, core, ran = prefill_time(models[v], length, args.prefill_layers)
+            rec = records.setdefault((v, length), dict(shape=shape, variant=v, context=length))
+            rec.update(prefill_s=sec, prefill_attn_s=core, prefill_layers_run=ran, n_layers=models[v].cfg.n_layers)
+    return sorted(records.values(), key=lambda r: (VARIANTS.index(r["variant"]), r["context"]))
+
+
+def ratios(records: list[dict]) -> dict:
+    """The goal ratios per shape (only those whose inputs were measured)."""
+    out: dict = {}
+    for shape in sorted({r["shape"] for r in records}):
+        rec = {(r["variant"], r["context"]): r for r in records if r["shape"] == shape}
+        got: dict = {}
+        decoded = sorted({c for (_, c), r in rec.items() if "decode_ms" in r})
+        for v in ("static", "learned"):
+            if (v, decoded[0]) in rec and len(decoded) > 1 and "decode_ms" in rec[v, decoded[0]]:
+                lo, hi = rec[v, decoded[0]], rec[v, decoded[-1]]
+                got[f"{v}_decode_{hi['context']}_over_{lo['context']}"] = hi["decode_ms"] / lo["decode_ms"]
+                full = [c for c in decoded if c >= lo.get("full_set_context", 0)]
+                if full:
+                    same = len({rec[v, c]["cache_bytes"] for c in full}) == 1
+                    got[f"{v}_cache_constant_from_{full[0]}"] = same
+        for c in decoded:
+            if ("static", c) in rec and ("learned", c) in rec:
+                got[f"learned_over_static_decode_{c}"] = rec["learned", c]["decode_ms"] / rec["static", c]["decode_ms"]
+        for (v, c), r in sorted(rec.items()):
+            if v == "static" and "prefill_s" in r:
+                if ("learned", c) in rec and "prefill_s" in rec["learned", c]:
+                    got[f"learned_over_static_prefill_{c}"] = rec["learned", c]["prefill_s"] / r["prefill_s"]
+                if ("dense", c) in rec and "prefill_s" in rec["dense", c]:
+                    got[f"dense_over_static_prefill_{c}"] = rec["dense", c]["prefill_s"] / r["prefill_s"]
+                    got[f"dense_over_static_prefill_attn_{c}"] = rec["dense", c]["prefill_attn_s"] / r["prefill_attn_s"]
+        out[shape] = got
+    return out
+
+
+def _goal(key: str, value) -> str:
+    if "_cache_constant" in key:
+        return "goal: same bytes -> " + ("met" if value else "MISSED")
+    if key.startswith("learned_over_static"):
+        return "goal <= 1.5 -> " + ("met" if value <= 1.5 else "MISSED")
+    if "_decode_" in key and "_over_" in key:
+        return "goal <= 1.2 -> " + ("met" if value <= 1.2 else "MISSED")
+    if key.startswith(("dense_over_static_prefill_16384", "dense_over_static_prefill_attn_16384")):
+        return "goal >= 10 -> " + ("met" if value >= 10 else "MISSED")
+    return ""
+
+
+def format_table(records: list[dict], rat: dict) -> str:
+    head = (f"{'shape':<6} {'variant':<8} {'context':>8} {'decode ms/tok':>14} {'cache MiB':>10} {'prefill s':>10} "
+            f"{'(attn s)':>9}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        ms = f"{r['decode_ms']:.2f}" if "decode_ms" in r else "-"
+        mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
+        pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
+        core = f"{r['prefill_attn_s']:.2f}" if "prefill_attn_s" in r else "-"
+        if "prefill_s" in r and r["prefill_layers_run"] < r["n_layers"]:
+            pre += "*"
+        lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {mib:>10} {pre:>10} {core:>9}")
+    if any(r.get("prefill_layers_run", 0) < r.get("n_layers", 0) for r in records):
+        lines.append("* prefill timed on a subset of the blocks and scaled to the full depth")
+    lines.append("decode: best of the interleaved blocks, random cached keys/values at position context-1 "
+                 "(no prefill run); (attn s): prefill time inside the attention core")
+    full = sorted({r["full_set_context"] for r in records if "full_set_context" in r})
+    if full:
+        lines.append(f"sparse rings reach their final size at context {'/'.join(map(str, full))} "
+                     f"(shorter contexts cap the distance set, so their rings are smaller)")
+    for shape, got in rat.items():
+        lines.append(f"ratios ({shape}):")
+        for key, value in got.items():
+            val = str(value) if isinstance(value, bool) else f"{value:.2f}"
+            lines.append(f"  {key:<40} {val:>8}  {_goal(key, value)}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    contexts = _list(args.contexts, "--contexts")
+    prefill = _list(args.prefill, "--prefill")
+    shapes = _list(args.shapes, "--shapes", str, ("tiny", "paper"))
+    variants = [v for v in VARIANTS if v in _list(args.variants, "--variants", str, VARIANTS)]
+    if args.decode_threads < 0:
+        raise ConfigError(f"--decode-threads must be an integer >= 0, got {args.decode_threads}")
+    for name in ("steps", "reps", "prefill_layers"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be an integer >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    records = []
+    for shape in shapes:
+        records += measure_shape(shape, variants, sorted(contexts), sorted(prefill), args)
+    rat = ratios(records)
+    if args.json:
+        settings = dict(contexts=contexts, prefill=prefill, shapes=shapes, variants=variants, steps=args.steps,
+                        reps=args.reps, prefill_layers=args.prefill_layers, threads=torch.get_num_threads(),
+                        decode_threads=args.decode_threads,
+                        decode_cache="random keys/values at position context-1")
+        print(json.dumps(dict(settings=settings, results=records, ratios=rat), indent=2))
+    else:
+        print(format_table(records, rat))
+    return 0

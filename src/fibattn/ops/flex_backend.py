@@ -1,0 +1,71 @@
+"""Integer distances through ``torch.nn.attention.flex_attention``: a comparison point.
+
+Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)`` (grouped heads via ``enable_gqa``).
+The block mask comes from a boolean lookup over ``q_idx - kv_idx``; it is built once per
+(distances, T, device) and cached. On CUDA the op runs through ``torch.compile`` (a fused
+kernel). On CPU, torch 2.13 offers only the unfused eager path (it materialises T×T scores)
+and no backward, so there the backend is a forward-only correctness check.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+name = "flex"
+_MASK_CACHE = 16
+
+
+def _api():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    return flex_attention, create_block_mask
+
+
+def unavailable(device) -> str | None:
+    """``None`` when flex_attention can run on ``device``, else the reason it cannot."""
+    try:
+        _api()
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    kind = torch.device(device).type
+    if kind not in ("cuda", "cpu"):
+        return f"flex_attention runs on CUDA (and CPU, forward only), got device {device}"
+    return None
+
+
+@functools.lru_cache(maxsize=_MASK_CACHE)
+def _block_mask(dists: tuple[int, ...], T: int, device: str):
+    _, create_block_mask = _api()
+    allowed = torch.zeros(T, dtype=torch.bool, device=device)
+    allowed[torch.tensor(dists, dtype=torch.long, device=device)] = True
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        rel = q_idx - kv_idx
+        return (rel >= 0) & allowed[rel.clamp(min=0)]
+
+    return create_block_mask(mask_mod, None, None, T, T, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    flex_attention, _ = _api()
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dists: list[int],
+                     scale: float) -> torch.Tensor:
+    T = q.shape[2]
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        raise RuntimeError("backend 'flex' has no backward on CPU in this torch (forward only); "
+                           "use backend 'cpu' or 'torch' when gradients are needed")
+    mask = _block_mask(tuple(d for d in dists if d < T), T, str(q.device))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    gqa = k.shape[1] != q.shape[1]
+    if not on_cpu:
+        return _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    flex_attention, _ = _api()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

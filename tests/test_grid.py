@@ -1,0 +1,180 @@
+import json
+import sqlite3
+
+import pytest
+
+from fibattn import grid as G
+from fibattn import grid_runner as R
+from fibattn.cli import main as cli_main
+from fibattn.config import ConfigError
+
+
+def _cfg(grid, name, root="runs"):
+    run = next(r for r in grid.runs if r.name == name)
+    return grid.config(run, root)
+
+
+# ------------------------------------------------------------------------------ definitions
+def test_paper_grid_names_and_settings():
+    grid = G.paper_grid()
+    names = grid.names()
+    matrix = [f"fib_{t}_w{w}" for w in (6, 8, 10, 12) for t in ("fixed", "learned", "stagger", "hdc")]
+    matrix += [f"logsparse_stagger_w{w}" for w in (6, 8, 10, 12)] + ["logsparse_w8"]
+    reps = [f"{n}_s{s}" for s in (43, 44) for n in ("fib_fixed_w12", "fib_learned_w12", "fib_stagger_w12",
+                                                     "fib_hdc_w12", "logsparse_stagger_w12")]
+    assert len(matrix) == 21 and sorted(names) == sorted(matrix + ["dense"] + reps) and len(set(names)) == len(names)
+    m = _cfg(grid, "fib_hdc_w10").model
+    assert (m.attention, m.schedule, m.window, m.base) == ("sparse", "coprime", 10, "fib")
+    m = _cfg(grid, "logsparse_w8").model
+    assert (m.base, m.schedule, m.window) == ("pow2", "fixed", 8)
+    m = _cfg(grid, "fib_learned_w6").model
+    assert (m.schedule, m.learned_init, m.alpha) == ("learned", "fixed", 1.0)
+    assert _cfg(grid, "fib_stagger_w12").model.schedule == "linear"
+    assert _cfg(grid, "dense").model.attention == "dense"
+    c = _cfg(grid, "fib_stagger_w12_s43")
+    assert c.train.seed == 43 and c.model.window == 12 and c.name == "fib_stagger_w12_s43"
+    c = _cfg(grid, "fib_fixed_w6", "/x/root")
+    assert c.train.out_dir == "/x/root/fib_fixed_w6" and c.eval.lengths == [1024, 2048, 4096]
+    assert c.model.seq_len == 1024 and c.train.seed == 42 and c.data.tokenizer == "bpe"
+    assert {s.name for s in c.data.sources} >= {"fineweb_edu", "wikipedia", "tinystories"}
+
+
+def test_demo_grid_uses_demo_setting():
+    grid = G.demo_grid()
+    assert grid.names() == ["dense", "fib_fixed", "fib_learned", "fib_stagger", "fib_hdc", "logsparse",
+                            "logsparse_stagger"]
+    c = _cfg(grid, "fib_stagger", "/r")
+    setting = dict(s.split("=", 1) for s in G.demo_setting())
+    assert c.model.seq_len == int(setting["model.seq_len"]) and c.train.steps == int(setting["train.steps"])
+    assert c.eval.lengths[0] == c.model.seq_len and c.eval.lengths[-1] == 4 * c.model.seq_len
+    assert c.data.out_dir == "/r/data/shakespeare-byte" and c.data.sources[0].kind == "bundled"
+    m = _cfg(grid, "logsparse").model
+    assert (m.base, m.schedule) == ("pow2", "fixed")
+
+
+# ------------------------------------------------------------------------------ filter / extend
+def test_only_filters_with_patterns():
+    grid = G.build_grid("paper", only="fib_*_w12, dense")
+    assert grid.names() == ["dense", "fib_fixed_w12", "fib_learned_w12", "fib_stagger_w12", "fib_hdc_w12"]
+    assert G.build_grid("demo", only="dense,fib_stagger").names() == ["dense", "fib_stagger"]
+    with pytest.raises(ValueError, match="matches no run"):
+        G.build_grid("paper", only="fib_*_w7")
+    with pytest.raises(ValueError, match="--only"):
+        G.build_grid("paper", only=" , ")
+    with pytest.raises(ValueError, match="grid must be one of"):
+        G.build_grid("nope")
+
+
+def test_extend_adds_runs(tmp_path):
+    f = tmp_path / "more.json"
+    f.write_text(json.dumps([{"name": "fib_stagger_w16", "preset": "paper", "overrides": ["model.window=16"],
+                              "seed": 7}, {"name": "x2", "preset": "tiny"}]))
+    grid = G.build_grid("paper", extend=str(f), only="fib_stagger_w16,x2")
+    assert grid.names() == ["fib_stagger_w16", "x2"] and grid.extend_file == str(f.resolve())
+    c = _cfg(grid, "fib_stagger_w16")
+    assert c.model.window == 16 and c.train.seed == 7
+    assert _cfg(grid, "x2").train.seed == 42
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{", "not valid JSON"),
+    ("{}", "non-empty JSON list"),
+    ('[{"name": "a"}]', r"more.json\[0\].preset must be one of"),
+    ('[{"name": "a b", "preset": "tiny"}]', r"\[0\].name must be"),
+    ('[{"name": "a", "preset": "tiny", "seeds": 1}]', "unknown key 'seeds'"),
+    ('[{"name": "a", "preset": "tiny", "overrides": "model.window=3"}]', "overrides must be a list"),
+    ('[{"name": "a", "preset": "tiny", "seed": -1}]', "seed must be an integer >= 0"),
+    ('[{"name": "a", "preset": "tiny", "overrides": ["model.window=x"]}]', r"\[0\] \(a\): model.window expects"),
+    ('[{"name": "a", "preset": "tiny", "overrides": ["model.nope=1"]}]', "unknown config key"),
+    ('[{"name": "a", "preset": "tiny"}, {"name": "a", "preset": "tiny"}]', "names run 'a' twice"),
+    ('[{"name": "dense", "preset": "tiny"}]', "reuses run name 'dense'"),
+])
+def test_bad_extension_files(tmp_path, content, match):
+    f = tmp_path / "more.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        G.build_grid("paper", extend=str(f))
+
+
+def test_missing_extension_file_and_bad_devices(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        G.build_grid("paper", extend=str(tmp_path / "none.json"))
+    assert G.parse_devices("0, 2") == ["0", "2"]
+    for bad in ("a", "0,0", ""):
+        with pytest.raises(ValueError, match="--devices"):
+            G.parse_devices(bad)
+
+
+# ------------------------------------------------------------------------------ commands
+def test_print_commands_torchrun(capsys, tmp_path):
+    assert cli_main(["grid", "paper", "--only", "fib_*_w12", "--root", str(tmp_path / "p"), "--print-commands",
+                     "torchrun", "--gpus-per-run", "4", "--set", "data.out_dir=/scratch/d"]) == 0
+    out = capsys.readouterr().out
+    cmds = [ln for ln in out.splitlines() if ln.startswith("torchrun")]
+    assert len(cmds) == 4
+    assert cmds[2] == (f"torchrun --standalone --nproc_per_node=4 -m fibattn.cli grid paper --root {tmp_path / 'p'} "
+                       f"--set data.out_dir=/scratch/d --only fib_stagger_w12")
+    assert "# fib_hdc_w12: preset paper, seed 42:" in out and "model.schedule=coprime" in out
+    assert "--prepare-only" in out
+
+
+def test_print_commands_slurm(capsys, tmp_path):
+    assert cli_main(["grid", "paper", "--root", str(tmp_path / "p"), "--print-commands", "slurm"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "#!/bin/bash" and "#SBATCH --array=0-31" in lines and "#SBATCH --gpus=1" in lines
+    first_cmd = next(i for i, ln in enumerate(lines) if not ln.startswith("#"))
+    assert max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH")) < first_cmd
+    runs = lines[lines.index("RUNS=(") + 1: lines.index(")")]
+    assert [r.strip() for r in runs] == G.paper_grid().names()
+    assert lines[-1] == f'python -m fibattn.cli grid paper --root {tmp_path / "p"} --only "$RUN"'
+
+
+# ------------------------------------------------------------------------------ running
+@pytest.fixture(scope="module")
+def smoke_root(tmp_path_factory):
+    """The smoke grid (2 micro runs) run once through the CLI."""
+    root = tmp_path_factory.mktemp("grid") / "smoke"
+    assert cli_main(["grid", "smoke", "--root", str(root)]) == 0
+    return root
+
+
+def test_micro_grid_runs_and_records(smoke_root):
+    db = sqlite3.connect(smoke_root / "results.sqlite")
+    assert db.execute("SELECT name, status FROM runs ORDER BY name").fetchall() == [
+        ("dense", "finished"), ("fib_stagger", "finished")]
+    rows = db.execute("SELECT run, length FROM eval_results ORDER BY run, length").fetchall()
+    assert {(r, n) for r, n in rows} == {("dense", 32), ("dense", 64), ("fib_stagger", 32), ("fib_stagger", 64)}
+    assert (smoke_root / "dense" / "eval.json").is_file()
+    assert [s.status for s in R.states(G.build_grid("smoke"), smoke_root)] == ["done", "done"]
+
+
+def test_second_invocation_skips(smoke_root, capsys):
+    capsys.readouterr()
+    assert cli_main(["grid", "smoke", "--root", str(smoke_root)]) == 0
+    out = capsys.readouterr().out
+    assert "2 done, 0 to run" in out and out.count("done, skipped") == 2 and "step 1/" not in out
+    assert cli_main(["grid", "smoke", "--root", str(smoke_root), "--dry-run"]) == 0
+    assert "2 done, 0 evaluate, 0 resume, 0 new" in capsys.readouterr().out
+
+
+def test_changed_settings_are_refused(smoke_root):
+    grid = G.build_grid("smoke", sets=["train.steps=5"])
+    with pytest.raises(ConfigError, match=r"other settings \(train.steps: 3 -> 5\)"):
+        R.run_grid(grid, smoke_root, out=lambda s: None)
+
+
+def test_missing_evaluation_is_redone(smoke_root, tmp_path):
+    import shutil
+    root = tmp_path / "copy"
+    shutil.copytree(smoke_root, root)
+    db = sqlite3.connect(root / "results.sqlite")
+    with db:
+        db.execute("DELETE FROM eval_results WHERE run='dense' AND length=64")
+    grid = G.build_grid("smoke")
+    assert [s.status for s in R.states(grid, root)] == ["evaluate", "done"]
+    lines = []
+    summary = R.run_grid(grid, root, out=lines.append)
+    assert summary.ran == ["dense"] and summary.done == ["fib_stagger"] and not summary.failed
+    assert any("run 1/2 dense: evaluating" in ln for ln in lines)
+    assert db.execute("SELECT COUNT(*) FROM eval_results WHERE run='dense'").fetchone()[0] >= 2
