@@ -133,3 +133,11 @@ def test_from_config_schedules():
     assert layers[0].reach_len == 64
     with pytest.raises(ValueError, match="layer_idx"):
         FibAttention.from_config(cfg, 4)
+
+
+def test_rope_real_path_matches_complex(monkeypatch):
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 3, 5, 8)
+    want = rope(x, 4)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)      # the path torch.compile traces
+    torch.testing.assert_close(rope(x, 4), want)

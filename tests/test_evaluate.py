@@ -193,7 +193,7 @@ def test_evaluate_run_writes_json_db_and_plots(tmp_path):
     data = FakeData({"x": RNG.integers(0, 255, size=400).astype(np.uint8), "y": RNG.integers(0, 255, size=400)})
     rep = E.evaluate_run(run, data=data, device="cpu", datasets=["x"])
     assert [r.length for r in rep.records] == [32, 64] and rep.settings["step"] == 7
-    E.evaluate_run(run, data=data, device="cpu", lengths=[32], reach="train", datasets=["x"])
+    E.evaluate_run(run, data=data, device="cpu", lengths=[32], reach="train", datasets=["x"], plot=False)
     doc = json.loads((run / "eval.json").read_text())
     keys = {(r["dataset"], r["length"], r["mode"]) for r in doc["results"]}
     assert keys == {("x", 32, "study"), ("x", 64, "study"), ("x", 32, "train")}      # merged, not overwritten

@@ -115,8 +115,9 @@ def test_batched_prompts_of_different_lengths_equal_single_runs(kw):
 def test_greedy_deterministic_and_seeded_sampling_reproducible():
     model = build(**LEARNED)
     prompt = [1, 2, 3, 4]
-    assert generate_tokens(model, prompt, max_new_tokens=15, temperature=0) == \
-        generate_tokens(model, prompt, max_new_tokens=15, temperature=0)
+    greedy = generate_tokens(model, prompt, max_new_tokens=15, temperature=0)
+    assert greedy == generate_tokens(model, prompt, max_new_tokens=15, temperature=0)
+    assert greedy == generate_tokens(model, torch.tensor([prompt]), max_new_tokens=15, temperature=0)
     kw = dict(max_new_tokens=20, temperature=1.3, top_k=20, top_p=0.95)
     a = generate_tokens(model, prompt, seed=11, **kw)
     assert a == generate_tokens(model, prompt, seed=11, **kw)
@@ -205,7 +206,7 @@ def test_cli_streams_text(monkeypatch, capsys):
     fake.load_run = lambda run_dir, step="latest", device="cpu", model_overrides=None: (model, None, ByteTokenizer())
     monkeypatch.setitem(sys.modules, "fibattn.runs", fake)
     args = Namespace(run_dir="x", prompt="Hi ", max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                     step="latest", device="cpu", overrides=[])
+                     step="latest", device="cpu", overrides=[], threads=0)
     assert run(args) == 0
     out = capsys.readouterr().out
     want = generate_tokens(model, list(b"Hi "), max_new_tokens=8, temperature=0, stop_ids=[255])[0]

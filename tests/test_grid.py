@@ -178,3 +178,32 @@ def test_missing_evaluation_is_redone(smoke_root, tmp_path):
     assert summary.ran == ["dense"] and summary.done == ["fib_stagger"] and not summary.failed
     assert any("run 1/2 dense: evaluating" in ln for ln in lines)
     assert db.execute("SELECT COUNT(*) FROM eval_results WHERE run='dense'").fetchone()[0] >= 2
+
+
+def test_parallel_pool_assigns_devices(tmp_path, monkeypatch):
+    """One subprocess per GPU (CUDA_VISIBLE_DEVICES), a bounded pool; a failing worker is reported."""
+    import sys
+    setting = tuple(G.smoke_setting())
+    runs = [G.GridRun(n, "tiny", setting + ("model.attention=dense",)) for n in ("a", "b", "bad")]
+    grid = G.Grid("smoke", runs, data_under_root=True)
+    code = ("import os, sys; print('device', os.environ['CUDA_VISIBLE_DEVICES']); "
+            "sys.exit(3 if sys.argv[1] == 'bad' else 0)")
+    cmd = R.worker_command(G.build_grid("smoke", sets=["train.steps=2"]), tmp_path, "dense")
+    assert cmd[1:] == ["-m", "fibattn.cli", "grid", "smoke", "--root", str(tmp_path), "--only", "dense",
+                       "--set", "train.steps=2"]
+    monkeypatch.setattr(R, "worker_command", lambda g, root, name: [sys.executable, "-c", code, name])
+    lines = []
+    summary = R.run_grid(grid, tmp_path, devices=["0", "1"], out=lines.append, progress_data=False)
+    assert sorted(summary.ran) == ["a", "b"] and list(summary.failed) == ["bad"]
+    assert "exit status 3" in summary.failed["bad"]
+    for name in ("a", "b", "bad"):
+        assert (tmp_path / name / "grid.log").read_text().strip() in ("device 0", "device 1")
+    assert sum("started on GPU" in ln for ln in lines) == 3 and any("FAILED (exit status 3" in ln for ln in lines)
+
+
+@pytest.mark.slow
+def test_parallel_grid_for_real(tmp_path):
+    """The smoke grid with two worker processes (CPU here: CUDA_VISIBLE_DEVICES is ignored without GPUs)."""
+    root = tmp_path / "par"
+    assert cli_main(["grid", "smoke", "--root", str(root), "--devices", "0,1"]) == 0
+    assert [s.status for s in R.states(G.build_grid("smoke"), root)] == ["done", "done"]

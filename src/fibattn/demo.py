@@ -21,12 +21,12 @@ from .grid import build_grid
 from .grid_runner import run_grid
 from .report import Check
 
-NOTE = """What this demo shows and what it cannot:
-- It shows the length-extrapolation headline at small scale: dense attention trained at {T} tokens
-  breaks down at {L} tokens, while the sparse schedules keep their perplexity, because every
-  distance they attend at {L} was already attended in training. The exception the study also
-  reports: pow2 bases rebuilt at the evaluation length pick up never-trained distances (the
-  study: +11.3 % for pow2 + fixed); `model.reach=train` caps them.
+NOTE = """What this demo can show and what it cannot:
+- It can show the length-extrapolation headline at small scale (when the check above passes):
+  dense attention trained at {T} tokens breaks down at {L} tokens, while the sparse schedules keep
+  their perplexity, because every distance they attend at {L} was already attended in training.
+  The exception the study also reports: pow2 bases rebuilt at the evaluation length pick up
+  never-trained distances (the study: +11.3 % for pow2 + fixed); `model.reach=train` caps them.
 - It cannot show the ordering among the sparse schedules (linear ≈ coprime > learned > fixed).
   In the study those gaps are 1-3 % at 60M parameters, 426M tokens and several seeds; at this
   size, with one seed and {steps} steps, they are within seed noise. That needs the `paper`

@@ -121,9 +121,9 @@ def plot_positions(report: E.EvalReport, path, title: str) -> Path:
     for name in report.datasets:
         series = []
         for r in (r for r in report.records if r.dataset == name):
-            xs = [(b["start"] + b["end"] - 1) / 2 for b in r.buckets]
+            xs = [(b["start"] + b["end"]) / 2 for b in r.buckets]
             series.append(Series(f"L={r.length}", xs, [b["loss"] for b in r.buckets], marker="."))
-        panels.append(Panel(name, "position in window", "mean loss (nats)", series, logx=True))
+        panels.append(Panel(name, "position in window", "mean loss (nats)", series))
     return save_panels(path, panels, suptitle=title)
 
 

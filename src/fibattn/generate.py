@@ -374,6 +374,7 @@ def configure_parser(parser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
@@ -396,6 +397,8 @@ def run(args, out=None) -> int:
     except ValueError:
         raise ValueError(f"--step must be 'latest' or an integer >= 0, got {args.step!r}") from None
     device = _device(args.device)
+    if args.threads:
+        torch.set_num_threads(_int("--threads", args.threads, 0))
     model, _cfg, tokenizer = load_run(args.run_dir, step=step, device=device, model_overrides=args.overrides)
     if tokenizer is None:
         raise ValueError(f"run {args.run_dir} has no tokenizer (tokenizer.json in the checkpoint or data folder)")

@@ -28,6 +28,8 @@ def demo_setting() -> list[str]:
     """The demo's setting: overrides on top of the ``tiny`` preset (tune here, in one place).
 
     Training at 128 tokens, evaluation at 1× and 4× (128, 512). 300 steps × 4096 tokens.
+    Note: with ``n_layers`` 4 (or 6) the coprime stride is 1, so ``fib_hdc`` equals ``fib_stagger``;
+    5, 7 or 8 layers make them differ (``fibattn.schedules.coprime_stride``).
     """
     return [
         "model.seq_len=128", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",

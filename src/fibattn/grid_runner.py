@@ -13,6 +13,7 @@ changes the result) is an error, never silently reused or overwritten.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -58,6 +59,10 @@ class GridSummary:
     elapsed_s: float = 0.0
 
 
+class GridStopped(RuntimeError):
+    """Training was asked to stop (SIGTERM) and checkpointed; the grid stops too (re-run to resume)."""
+
+
 def is_main_rank() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -85,7 +90,6 @@ def check_same_settings(cfg: RunConfig) -> None:
     path = Path(cfg.train.out_dir) / "config.json"
     if not path.is_file():
         return
-    import json
     diff = settings_diff(json.loads(path.read_text()), cfg)
     if diff:
         shown = "; ".join(diff[:4]) + (f"; ... ({len(diff)} in all)" if len(diff) > 4 else "")
@@ -164,7 +168,8 @@ def execute(state: RunState, say: Callable[[str], None]) -> None:
     if state.status in ("new", "resume"):
         result = train(cfg, resume="auto")
         if result.status != "finished":
-            raise RuntimeError(f"training {result.status} at step {result.step}/{cfg.train.steps}")
+            raise GridStopped(f"training of {state.run.name} {result.status} at step {result.step}/"
+                              f"{cfg.train.steps} (checkpointed)")
     if is_main_rank():
         say(f"evaluating {state.run.name} at lengths {list(cfg.eval.lengths)}")
         evaluate_config(cfg)
@@ -239,6 +244,10 @@ def _run_sequential(todo, prog: Progress, summary: GridSummary, say) -> None:
             execute(s, say)
         except KeyboardInterrupt:
             raise
+        except GridStopped as exc:
+            summary.failed[s.run.name] = str(exc)
+            say(f"[grid {prog.grid}] stopped: {exc}; re-run the same command to resume")
+            return
         except Exception as exc:            # one failed run does not stop the grid
             log.debug("run %s failed", s.run.name, exc_info=True)
             summary.failed[s.run.name] = f"{type(exc).__name__}: {exc}"

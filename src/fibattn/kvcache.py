@@ -214,13 +214,13 @@ class Positions:
 
 def _softmax_attend(q, k, v, valid, scale):
     """q ``(B, Hkv, G, Dh)``, k/v ``(B, Hkv, N, Dh)``, valid ``(B, N)`` or None -> ``(B, Hkv, G, Dh)``."""
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)      # scores in float32
     if valid is not None:
         s = s.masked_fill_(~valid[:, None, None, :], float("-inf"))
     # softmax by hand: torch.softmax starts an OpenMP region even for a handful of scores,
     # which costs milliseconds on a busy CPU; these few element-wise ops stay serial
     e = s.sub_(s.amax(dim=-1, keepdim=True)).exp_()
-    return torch.matmul(e.div_(e.sum(dim=-1, keepdim=True)), v)
+    return torch.matmul(e.div_(e.sum(dim=-1, keepdim=True)).to(v.dtype), v)
 
 
 def attend_step(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Positions) -> torch.Tensor:

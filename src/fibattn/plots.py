@@ -41,6 +41,7 @@ class Panel:
     hline: float | None = None      # a dotted reference line (e.g. chance level, or the start alpha)
     hline_label: str = ""
     logx: bool = False
+    ylim: tuple | None = None       # (low, high)
 
 
 def available() -> bool:
@@ -104,6 +105,8 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
                 raise ValueError(f"panel kind must be line or bar, got {panel.kind!r}")
             if panel.hline is not None:
                 ax.axhline(panel.hline, color="grey", linestyle=":", linewidth=1, label=panel.hline_label or None)
+            if panel.ylim is not None:
+                ax.set_ylim(*panel.ylim)
             ax.set_title(panel.title, fontsize=10)
             ax.set_xlabel(panel.xlabel)
             ax.set_ylabel(panel.ylabel)

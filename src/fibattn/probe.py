@@ -175,7 +175,7 @@ def train_one(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if (step + 1) % every == 0 or step + 1 == cfg.steps:
             history.append((step + 1, model.alphas()))
     acc = accuracy(model, cfg)
@@ -241,7 +241,7 @@ def plot_report(report: ProbeReport, path) -> Path:
     acc = [Series(f"d={d}", names, [r.accuracy[d] for r in report.results]) for d in report.distances]
     chance = 1.0 / report.config["task"]["n_values"]
     p1 = Panel("retrieval accuracy", "model (depth, start)", "accuracy", acc, kind="bar", hline=chance,
-               hline_label="chance")
+               hline_label="chance", ylim=(0.0, 1.0))
     alpha = [Series(n, list(range(r.depth)), r.alpha_end, marker="o") for n, r in zip(names, report.results)]
     p2 = Panel("final alpha per layer", "layer", "alpha", alpha, hline=1.0)
     return save_panels(path, [p1, p2], suptitle="retrieval probe")
@@ -284,6 +284,7 @@ def configure_parser(parser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=None, help="seed (data and initial weights)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     parser.add_argument("--out", default="runs/probe", metavar="DIR", help="output folder (default runs/probe)")
     parser.add_argument("--no-plot", action="store_true", help="skip probe.png")
 
@@ -319,6 +320,10 @@ def config_from_args(args) -> ProbeConfig:
 
 def run(args) -> int:
     cfg = config_from_args(args)
+    if args.threads < 0:
+        raise ValueError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t = cfg.task
     print(f"probe: {len(cfg.depths) * len(cfg.starts)} models | seq_len {t.seq_len} | distances {list(t.distances)}"
           f" | {'marked' if t.marked else 'plain'} | {cfg.steps} steps × {cfg.batch_size} | out {args.out}",

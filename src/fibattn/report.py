@@ -303,7 +303,7 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     done = [r for r in results if r.ppl]
     blocks: list = [Text(f"Grid `{grid_name}`: {len(done)} of {len(results)} runs evaluated. Perplexity is token-level "
                          f"(exp of the mean loss over every position of back-to-back windows; the same tokens at "
-                         f"every length). Datasets: {', '.join(f'{abbrev(d)} = {d}' for d in datasets)}.")]
+                         f"every length). Datasets: {', '.join(d if abbrev(d) == d else f'{abbrev(d)} = {d}' for d in datasets)}.")]
     tables = [main_table(done, datasets)] if done else []
     study = study_table(results)
     if study is not None:

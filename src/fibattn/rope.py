@@ -31,7 +31,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
         self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
         # a plain float64 CPU tensor, not a buffer: model.to(bfloat16) must not round it
-        self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64) * 2 / head_dim)
+        self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") * 2 / head_dim)
         self._cache: dict = {}        # device -> complex64 (n, Dh/2) for positions 0..n-1
 
     def rotations(self, end: int, device) -> torch.Tensor:
@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
         if hit is None or hit.shape[0] < end:
             n = max(end, 2 * hit.shape[0] if hit is not None else 0)
             n = min(max(n, 256), self.max_seq_len)
-            ang = torch.arange(n, dtype=torch.float64)[:, None] * self._inv_freq[None, :]
+            ang = torch.arange(n, dtype=torch.float64, device="cpu")[:, None] * self._inv_freq[None, :]
             hit = torch.polar(torch.ones_like(ang), ang).to(device=device, dtype=torch.complex64)
             self._cache[key] = hit
         return hit[:end]
@@ -56,8 +56,14 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"offset must be >= 0, got {offset}")
         B, H, T, Dh = x.shape
         rot = self.rotations(offset + T, x.device)[offset:]
-        xc = torch.view_as_complex(x.float().reshape(B, H, T, Dh // 2, 2))
-        return torch.view_as_real(xc * rot).reshape(B, H, T, Dh).to(x.dtype)
+        pairs = x.float().reshape(B, H, T, Dh // 2, 2)
+        if torch.compiler.is_compiling():          # inductor has no complex kernels: the same rotation in reals
+            c, s = rot.real, rot.imag
+            x0, x1 = pairs[..., 0], pairs[..., 1]
+            out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+        else:
+            out = torch.view_as_real(torch.view_as_complex(pairs) * rot)
+        return out.reshape(B, H, T, Dh).to(x.dtype)
 
     def _apply(self, fn, recurse=True):      # .to(device) drops the cached tables
         self._cache = {}

@@ -39,6 +39,7 @@ def configure_parser(parser) -> None:
     parser.add_argument("--window", type=int, default=12, help="sparse window W (default 12)")
     parser.add_argument("--backend", default="auto", help="sparse backend (default auto)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (default 0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -75,7 +76,8 @@ def measure(model_cfg, batch: int, steps: int, device: torch.device) -> float:
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return batch * T * steps / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    return batch * T * steps / wall
 
 
 def bench(lengths, steps: int, tokens: int, preset: str = "tiny", window: int = 12, backend: str = "auto",
@@ -97,6 +99,10 @@ def run(args) -> int:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
     if args.tokens < 2:
         raise ConfigError(f"--tokens must be >= 2, got {args.tokens}")
+    if args.threads < 0:
+        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = bench(lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device)
     if args.json:
         print(json.dumps({"preset": args.preset, "window": args.window, "threads": torch.get_num_threads(),

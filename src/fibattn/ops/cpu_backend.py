@@ -29,8 +29,8 @@ name = "cpu"
 log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 3
+_FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+_ABI = 8
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -183,7 +183,7 @@ def _columns(cols, dtype):
 
 
 def attn_forward(q, k, v, cols, scale: float):
-    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``)."""
+    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``); ``P`` is ``(B, H, T, C)``."""
     q, k, v = _prep(q, k, v)
     fn = _kernel("fa_attn_fwd", q.dtype)
     C = len(cols.lo)

@@ -1,6 +1,6 @@
 /* fibattn CPU kernels: banded (Toeplitz) sparse attention with OpenMP.
  *
- * Compiled on first use by cpu_backend.py (gcc -O3 -march=native -fopenmp) and loaded
+ * Compiled on first use by cpu_backend.py (gcc -O2 -march=native -fopenmp) and loaded
  * with ctypes. Every kernel exists for float (suffix _f32) and double (_f64): this file
  * includes itself once per type with REAL / SFX / EXPR defined.
  *
@@ -40,7 +40,7 @@ typedef int64_t i64;
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
 
-int fa_abi_version(void) { return 3; }
+int fa_abi_version(void) { return 8; }
 
 #define REAL float
 #define FA_RBYTES 4
@@ -64,18 +64,6 @@ int fa_abi_version(void) { return 3; }
 
 #else /* ---------------------------------------------------------------- typed body */
 
-FA_INLINE REAL SFX(dot)(const REAL *restrict a, const REAL *restrict b, i64 D) {
-    REAL acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (i64 e = 0; e < D; e++) acc += a[e] * b[e];
-    return acc;
-}
-
-FA_INLINE void SFX(zero)(REAL *restrict y, i64 D) {
-#pragma omp simd
-    for (i64 e = 0; e < D; e++) y[e] = 0;
-}
-
 /* Vector types: ``vec`` holds FA_VL values; ``uvec`` is its unaligned, aliasing twin for loads. */
 typedef REAL SFX(vec) __attribute__((vector_size(FA_VBYTES)));
 typedef REAL SFX(uvec) __attribute__((vector_size(FA_VBYTES), aligned(FA_RBYTES), may_alias));
@@ -93,92 +81,65 @@ FA_INLINE REAL SFX(hsum)(SFX(vec) a) {
 #elif FA_VL == 8
     SFX(half) h = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (h[0] + h[2]) + (h[1] + h[3]);
-#elif FA_VL == 4
-    return (a[0] + a[2]) + (a[1] + a[3]);
 #else
-    REAL s = 0;
-    for (int l = 0; l < FA_VL; l++) s += a[l];
-    return s;
+    return (a[0] + a[2]) + (a[1] + a[3]);
 #endif
 }
 
-/* out[t] = x . base[rows[t]] for t < n, four rows at a time (independent accumulators).
- * The vector path runs when D is a multiple of the SIMD width. */
-static __attribute__((noinline)) void SFX(dots)(const REAL *restrict x, const REAL *restrict base, const i64 *restrict rows, i64 n,
-                         i64 D, REAL *restrict out) {
+FA_INLINE void SFX(zero)(REAL *restrict y, i64 D) { memset(y, 0, sizeof(REAL) * D); }
+
+/* out[t] = x . base[rows[t]] for t < n: four rows at a time into independent vector
+ * accumulators, the head dim in SIMD chunks plus a scalar tail. */
+static void SFX(dots)(const REAL *restrict x, const REAL *restrict base, const i64 *restrict rows, i64 n, i64 D,
+                      REAL *restrict out) {
+    const i64 DV = D - D % FA_VL;
     i64 t = 0;
-    if (D % FA_VL == 0) {
-        const i64 NV = D / FA_VL;
-        for (; t + 4 <= n; t += 4) {
-            const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
-            const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
-            SFX(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (i64 u = 0; u < NV; u++) {
-                const SFX(vec) xe = VLD(x + u * FA_VL);
-                a0 += xe * VLD(r0 + u * FA_VL);
-                a1 += xe * VLD(r1 + u * FA_VL);
-                a2 += xe * VLD(r2 + u * FA_VL);
-                a3 += xe * VLD(r3 + u * FA_VL);
-            }
-            out[t] = SFX(hsum)(a0), out[t + 1] = SFX(hsum)(a1), out[t + 2] = SFX(hsum)(a2), out[t + 3] = SFX(hsum)(a3);
-        }
-        for (; t < n; t++) {
-            const REAL *r0 = base + rows[t] * D;
-            SFX(vec) a0 = {0};
-            for (i64 u = 0; u < NV; u++) a0 += VLD(x + u * FA_VL) * VLD(r0 + u * FA_VL);
-            out[t] = SFX(hsum)(a0);
-        }
-        return;
-    }
     for (; t + 4 <= n; t += 4) {
         const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
         const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
-        REAL a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (i64 e = 0; e < D; e++) {
-            const REAL xe = x[e];
-            a0 += xe * r0[e];
-            a1 += xe * r1[e];
-            a2 += xe * r2[e];
-            a3 += xe * r3[e];
+        SFX(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (i64 e = 0; e < DV; e += FA_VL) {
+            const SFX(vec) xe = VLD(x + e);
+            a0 += xe * VLD(r0 + e), a1 += xe * VLD(r1 + e), a2 += xe * VLD(r2 + e), a3 += xe * VLD(r3 + e);
         }
-        out[t] = a0, out[t + 1] = a1, out[t + 2] = a2, out[t + 3] = a3;
+        REAL s0 = SFX(hsum)(a0), s1 = SFX(hsum)(a1), s2 = SFX(hsum)(a2), s3 = SFX(hsum)(a3);
+        for (i64 e = DV; e < D; e++) s0 += x[e] * r0[e], s1 += x[e] * r1[e], s2 += x[e] * r2[e], s3 += x[e] * r3[e];
+        out[t] = s0, out[t + 1] = s1, out[t + 2] = s2, out[t + 3] = s3;
     }
-    for (; t < n; t++) out[t] = SFX(dot)(x, base + rows[t] * D, D);
+    for (; t < n; t++) {
+        const REAL *r0 = base + rows[t] * D;
+        SFX(vec) a0 = {0};
+        for (i64 e = 0; e < DV; e += FA_VL) a0 += VLD(x + e) * VLD(r0 + e);
+        REAL s0 = SFX(hsum)(a0);
+        for (i64 e = DV; e < D; e++) s0 += x[e] * r0[e];
+        out[t] = s0;
+    }
+}
+
+FA_INLINE REAL SFX(dot)(const REAL *restrict a, const REAL *restrict b, i64 D) {
+    const i64 zero = 0;
+    REAL s;
+    SFX(dots)(a, b, &zero, 1, D, &s);
+    return s;
 }
 
 /* acc += sum_t coef[t] * base[rows[t]], four rows at a time. */
-static __attribute__((noinline)) void SFX(gather)(REAL *restrict acc, const REAL *restrict base, const i64 *restrict rows,
-                           const REAL *restrict coef, i64 n, i64 D) {
+static void SFX(gather)(REAL *restrict acc, const REAL *restrict base, const i64 *restrict rows,
+                        const REAL *restrict coef, i64 n, i64 D) {
+    const i64 DV = D - D % FA_VL;
     i64 t = 0;
-    if (D % FA_VL == 0) {
-        const i64 NV = D / FA_VL;
-        for (; t + 4 <= n; t += 4) {
-            const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
-            const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
-            const REAL c0 = coef[t], c1 = coef[t + 1], c2 = coef[t + 2], c3 = coef[t + 3];
-            for (i64 u = 0; u < NV; u++) {
-                const i64 o = u * FA_VL;
-                VST(acc + o, VLD(acc + o) + c0 * VLD(r0 + o) + c1 * VLD(r1 + o) + c2 * VLD(r2 + o) + c3 * VLD(r3 + o));
-            }
-        }
-        for (; t < n; t++) {
-            const REAL *r0 = base + rows[t] * D, c0 = coef[t];
-            for (i64 u = 0; u < NV; u++) VST(acc + u * FA_VL, VLD(acc + u * FA_VL) + c0 * VLD(r0 + u * FA_VL));
-        }
-        return;
-    }
     for (; t + 4 <= n; t += 4) {
         const REAL *r0 = base + rows[t] * D, *r1 = base + rows[t + 1] * D;
         const REAL *r2 = base + rows[t + 2] * D, *r3 = base + rows[t + 3] * D;
         const REAL c0 = coef[t], c1 = coef[t + 1], c2 = coef[t + 2], c3 = coef[t + 3];
-#pragma omp simd
-        for (i64 e = 0; e < D; e++) acc[e] += c0 * r0[e] + c1 * r1[e] + c2 * r2[e] + c3 * r3[e];
+        for (i64 e = 0; e < DV; e += FA_VL)
+            VST(acc + e, VLD(acc + e) + c0 * VLD(r0 + e) + c1 * VLD(r1 + e) + c2 * VLD(r2 + e) + c3 * VLD(r3 + e));
+        for (i64 e = DV; e < D; e++) acc[e] += c0 * r0[e] + c1 * r1[e] + c2 * r2[e] + c3 * r3[e];
     }
     for (; t < n; t++) {
         const REAL *r0 = base + rows[t] * D, c0 = coef[t];
-#pragma omp simd
-        for (i64 e = 0; e < D; e++) acc[e] += c0 * r0[e];
+        for (i64 e = 0; e < DV; e += FA_VL) VST(acc + e, VLD(acc + e) + c0 * VLD(r0 + e));
+        for (i64 e = DV; e < D; e++) acc[e] += c0 * r0[e];
     }
 }
 
@@ -328,37 +289,100 @@ int SFX(fa_wsum_t)(const REAL *p, const REAL *x, REAL *out, i64 B, i64 H, i64 Hk
 
 /* ---------------------------------------------------------------- fused attention */
 
-/* The taps of the valid columns of row i; returns the tap count, *nv = valid columns. */
-FA_INLINE i64 SFX(taps)(SFX(ws_t) *ws, i64 i, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi,
-                        const int *two, i64 *nv) {
-    i64 c = 0, t = 0;
-    for (; c < C && lo[c] <= i; c++) {
-        const i64 r = i - lo[c];
-        ws->row[t] = r, ws->col[t] = c, ws->w[t] = two[c] ? wlo[c] : 1, t++;
-        if (two[c]) ws->row[t] = fa_max0(r - 1), ws->col[t] = c, ws->w[t] = whi[c], t++;
+/* The taps of a column set: tap t reads row i - off[t] of column col[t] with weight w[t].
+ * Taps are ordered by column (so off ascends); end[c] = number of taps of columns 0..c.
+ * The table is the same for every row (Toeplitz); a row uses the prefix of valid columns. */
+typedef struct {
+    i64 n, *off, *col, *end;
+    REAL *w;
+    int one; /* every column has a single tap (the integer op) */
+} SFX(taps_t);
+
+static int SFX(taps_init)(SFX(taps_t) *tp, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi,
+                          const int *two) {
+    tp->off = malloc(sizeof(i64) * (5 * C + 1));
+    tp->w = malloc(sizeof(REAL) * (2 * C + 1));
+    if (!tp->off || !tp->w) {
+        free(tp->off), free(tp->w);
+        return 1;
     }
-    *nv = c;
-    return t;
+    tp->col = tp->off + 2 * C, tp->end = tp->off + 4 * C;
+    i64 t = 0;
+    tp->one = 1;
+    for (i64 c = 0; c < C; c++) {
+        tp->off[t] = lo[c], tp->col[t] = c, tp->w[t] = two[c] ? wlo[c] : 1, t++;
+        if (two[c]) tp->off[t] = lo[c] + 1, tp->col[t] = c, tp->w[t] = whi[c], t++, tp->one = 0;
+        tp->end[c] = t;
+    }
+    tp->n = t;
+    return 0;
+}
+
+static void SFX(taps_free)(SFX(taps_t) *tp) { free(tp->off), free(tp->w); }
+
+/* Valid columns of row i (lo ascending). */
+FA_INLINE i64 SFX(nvalid)(i64 i, i64 C, const i64 *lo) {
+    i64 c = 0;
+    while (c < C && lo[c] <= i) c++;
+    return c;
+}
+
+/* s[c] = exp(scale * (s[c] - max)) / sum for c < n (n >= 1). */
+static void SFX(softmax)(REAL *restrict s, i64 n, REAL scale) {
+    REAL mx = s[0], sum = 0;
+    for (i64 c = 1; c < n; c++) mx = s[c] > mx ? s[c] : mx;
+#if FA_RBYTES == 4
+    /* float: a vectorised exp (Cody-Waite reduction, degree-6 polynomial; ~1 ulp for x <= 0) */
+    typedef int32_t SFX(ivec) __attribute__((vector_size(FA_VBYTES)));
+    for (i64 c0 = 0; c0 < n; c0 += FA_VL) {
+        SFX(vec) x;
+        for (i64 l = 0; l < FA_VL; l++) {
+            const REAL xl = c0 + l < n ? (s[c0 + l] - mx) * scale : -87.0f;
+            x[l] = xl < -87.0f ? -87.0f : xl;
+        }
+        /* k = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 2^22) */
+        const SFX(vec) k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+        const SFX(vec) r = x - k * 0.693359375f + k * 2.12194440e-4f;
+        SFX(vec) y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+        y = y * r + 8.3334519073e-3f;
+        y = y * r + 4.1665795894e-2f;
+        y = y * r + 1.6666665459e-1f;
+        y = y * r + 5.0000001201e-1f;
+        y = y * r * r + r + 1.0f;
+        const SFX(ivec) e = (__builtin_convertvector(k, SFX(ivec)) + 127) << 23;
+        SFX(vec) two_k;
+        memcpy(&two_k, &e, sizeof two_k);
+        y *= two_k;
+        for (i64 l = 0; l < FA_VL && c0 + l < n; l++) s[c0 + l] = y[l], sum += y[l];
+    }
+#else
+    for (i64 c = 0; c < n; c++) s[c] = EXPR((s[c] - mx) * scale), sum += s[c];
+#endif
+    const REAL inv = 1 / sum;
+    for (i64 c = 0; c < n; c++) s[c] *= inv;
 }
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                            REAL *restrict oi, REAL *restrict pi, SFX(ws_t) *ws, i64 i, i64 D, i64 C,
-                            const i64 *lo, const REAL *wlo, const REAL *whi, const int *two, REAL scale) {
-    i64 nv;
-    const i64 n = SFX(taps)(ws, i, C, lo, wlo, whi, two, &nv);
-    REAL *s = ws->s;
+                            REAL *restrict oi, REAL *restrict pi, const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 i,
+                            i64 nv, i64 D, i64 C, REAL scale) {
+    const i64 n = tp->end[nv - 1];
+    for (i64 t = 0; t < n; t++) ws->row[t] = fa_max0(i - tp->off[t]);
     SFX(dots)(qi, kb, ws->row, n, D, ws->d);
-    for (i64 c = 0; c < nv; c++) s[c] = 0;
-    for (i64 t = 0; t < n; t++) s[ws->col[t]] += ws->w[t] * ws->d[t];
-    REAL mx = -INFINITY, sum = 0;
-    for (i64 c = 0; c < nv; c++) s[c] *= scale, mx = s[c] > mx ? s[c] : mx;
-    for (i64 c = 0; c < nv; c++) s[c] = EXPR(s[c] - mx), sum += s[c];
-    const REAL inv = 1 / sum;
-    for (i64 c = 0; c < nv; c++) pi[c] = s[c] * inv;
+    REAL *s = tp->one ? ws->d : ws->s;                  /* scores per column */
+    if (!tp->one) {
+        for (i64 c = 0; c < nv; c++) s[c] = 0;
+        for (i64 t = 0; t < n; t++) s[tp->col[t]] += tp->w[t] * ws->d[t];
+    }
+    SFX(softmax)(s, nv, scale);
+    for (i64 c = 0; c < nv; c++) pi[c] = s[c];
     for (i64 c = nv; c < C; c++) pi[c] = 0;
-    for (i64 t = 0; t < n; t++) ws->cf[t] = pi[ws->col[t]] * ws->w[t];
+    const REAL *cf = s;
+    if (!tp->one) {
+        for (i64 t = 0; t < n; t++) ws->cf[t] = s[tp->col[t]] * tp->w[t];
+        cf = ws->cf;
+    }
     SFX(zero)(oi, D);
-    SFX(gather)(oi, vb, ws->row, ws->cf, n, D);
+    SFX(gather)(oi, vb, ws->row, cf, n, D);
 }
 
 /* out = softmax(scale * q.k_cols) . v_cols;  P (B,H,T,C) keeps the probabilities. */
@@ -366,6 +390,8 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    SFX(taps_t) tp;
+    if (C < 1 || lo[0] != 0 || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
@@ -381,9 +407,11 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * D, *ph = P + h * T * C;
-                    for (i64 i = i0; i < i1; i++)
-                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &ws, i, D, C, lo, wlo, whi, two,
-                                     scale);
+                    i64 nv = SFX(nvalid)(i0, C, lo);
+                    for (i64 i = i0; i < i1; i++) {
+                        while (nv < C && lo[nv] <= i) nv++;
+                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &tp, &ws, i, nv, D, C, scale);
+                    }
                 }
             }
         if (bad) {
@@ -391,52 +419,56 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
             failed = 1;
         } else SFX(ws_free)(&ws);
     }
+    SFX(taps_free)(&tp);
     return failed;
 }
 
 FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
                             const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
-                            REAL *restrict dsi, REAL *restrict dqi, double *restrict dfrac, SFX(ws_t) *ws, i64 i,
-                            i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
-                            REAL scale) {
-    i64 nv;
-    const i64 n = SFX(taps)(ws, i, C, lo, wlo, whi, two, &nv);
-    REAL *dp = ws->s;
+                            REAL *restrict dsi, REAL *restrict dqi, double *restrict dfrac, const SFX(taps_t) *tp,
+                            SFX(ws_t) *ws, i64 i, i64 nv, i64 D, i64 C, REAL scale) {
+    const i64 n = tp->end[nv - 1];
+    for (i64 t = 0; t < n; t++) ws->row[t] = fa_max0(i - tp->off[t]);
     const REAL delta = SFX(dot)(gi, oi, D);
     SFX(dots)(gi, vb, ws->row, n, D, ws->d);          /* dout . v per tap */
-    for (i64 c = 0; c < nv; c++) dp[c] = 0;
-    for (i64 t = 0; t < n; t++) dp[ws->col[t]] += ws->w[t] * ws->d[t];
-    for (i64 c = 0; c < nv; c++) dsi[c] = pi[c] * (dp[c] - delta);
+    REAL *ds = tp->one ? ws->d : ws->s;                /* dP per column, then dS = P (dP - delta) */
+    if (!tp->one) {
+        for (i64 c = 0; c < nv; c++) ds[c] = 0;
+        for (i64 t = 0; t < n; t++) ds[tp->col[t]] += tp->w[t] * ws->d[t];
+    }
+    for (i64 c = 0; c < nv; c++) ds[c] = pi[c] * (ds[c] - delta), dsi[c] = ds[c];
     for (i64 c = nv; c < C; c++) dsi[c] = 0;
-    for (i64 t = 0; t < n; t++) ws->cf[t] = scale * dsi[ws->col[t]] * ws->w[t];
+    if (tp->one)
+        for (i64 t = 0; t < n; t++) ws->cf[t] = scale * ds[t];
+    else
+        for (i64 t = 0; t < n; t++) ws->cf[t] = scale * ds[tp->col[t]] * tp->w[t];
     SFX(zero)(dqi, D);
     SFX(gather)(dqi, kb, ws->row, ws->cf, n, D);
-    if (!dfrac) return;
-    SFX(dots)(qi, kb, ws->row, n, D, ws->d2);         /* q . k per tap */
-    for (i64 t = 0; t < n; t++) {
-        const i64 c = ws->col[t];
-        if (!two[c]) continue;                        /* taps t (lo) and t + 1 (lo + 1) */
-        dfrac[c] += (double)(scale * dsi[c] * (ws->d2[t + 1] - ws->d2[t]) + pi[c] * (ws->d[t + 1] - ws->d[t]));
+    if (!dfrac || tp->one) return;
+    /* d/d frac of a two-tap column: scale * dS * q.(k_hi - k_lo) + P * dout.(v_hi - v_lo) */
+    SFX(dots)(gi, vb, ws->row, n, D, ws->d2);         /* dout . v per tap (ws->d was overwritten) */
+    SFX(dots)(qi, kb, ws->row, n, D, ws->cf2);        /* q . k per tap */
+    for (i64 t = 0; t + 1 < n; t++) {
+        const i64 c = tp->col[t];
+        if (tp->col[t + 1] != c) continue;            /* taps t (lo) and t + 1 (lo + 1) */
+        dfrac[c] += (double)(scale * ds[c] * (ws->cf2[t + 1] - ws->cf2[t]) + pi[c] * (ws->d2[t + 1] - ws->d2[t]));
         t++;
     }
 }
 
 FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *restrict qh,
                             const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
-                            SFX(ws_t) *ws, i64 m, i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo,
+                            const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 m, i64 T, i64 D, i64 C, const i64 *lo,
                             const REAL *whi, const int *two) {
     i64 n = 0;
-    for (i64 c = 0; c < C; c++) {
-        const i64 i = m + lo[c];
+    for (; n < tp->n; n++) {                           /* query row m + off reads key row m */
+        const i64 i = m + tp->off[n], c = tp->col[n];
         if (i >= T) break;
-        const REAL w = two[c] ? wlo[c] : 1;
-        ws->row[n] = i, ws->cf[n] = w * dsh[i * C + c], ws->cf2[n] = w * ph[i * C + c], n++;
-        if (!two[c]) continue;
-        /* the second tap of row i + 1 reads row m; at m = 0 so does row i's (clamped) */
-        if (i + 1 < T)
-            ws->row[n] = i + 1, ws->cf[n] = whi[c] * dsh[(i + 1) * C + c], ws->cf2[n] = whi[c] * ph[(i + 1) * C + c], n++;
-        if (m == 0) ws->row[n] = i, ws->cf[n] = whi[c] * dsh[i * C + c], ws->cf2[n] = whi[c] * ph[i * C + c], n++;
+        ws->row[n] = i, ws->cf[n] = tp->w[n] * dsh[i * C + c], ws->cf2[n] = tp->w[n] * ph[i * C + c];
     }
+    if (m == 0 && !tp->one)                            /* the second tap of row lo is clamped to row 0 */
+        for (i64 c = 0; c < C && lo[c] < T; c++)
+            if (two[c]) ws->row[n] = lo[c], ws->cf[n] = whi[c] * dsh[lo[c] * C + c], ws->cf2[n] = whi[c] * ph[lo[c] * C + c], n++;
     SFX(gather)(dkm, qh, ws->row, ws->cf, n, D);
     SFX(gather)(dvm, gh_, ws->row, ws->cf2, n, D);
 }
@@ -448,11 +480,13 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    SFX(taps_t) tp;
+    if (C < 1 || lo[0] != 0 || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
         SFX(ws_t) ws = {0};
-        double *acc = dfrac ? calloc(C > 0 ? C : 1, sizeof(double)) : NULL;
+        double *acc = dfrac ? calloc(C, sizeof(double)) : NULL;
         const int bad = SFX(ws_init)(&ws, C) || (dfrac && !acc);
         /* pass 1, by query row: dS and dq */
 #pragma omp for collapse(2) schedule(static)
@@ -464,9 +498,12 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
-                    for (i64 i = i0; i < i1; i++)
+                    i64 nv = SFX(nvalid)(i0, C, lo);
+                    for (i64 i = i0; i < i1; i++) {
+                        while (nv < C && lo[nv] <= i) nv++;
                         SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + oc + i * C,
-                                     dS + oc + i * C, dq + o + i * D, acc, &ws, i, D, C, lo, wlo, whi, two, scale);
+                                     dS + oc + i * C, dq + o + i * D, acc, &tp, &ws, i, nv, D, C, scale);
+                    }
                 }
             }
         if (acc && !bad) {
@@ -485,8 +522,8 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
                     for (i64 m = i0; m < i1; m++)
-                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &ws, m, T, D, C,
-                                     lo, wlo, whi, two);
+                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &tp, &ws, m, T, D,
+                                     C, lo, whi, two);
                 }
                 for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= scale;
             }
@@ -496,6 +533,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
             failed = 1;
         } else SFX(ws_free)(&ws);
     }
+    SFX(taps_free)(&tp);
     return failed;
 }
 
