@@ -225,6 +225,8 @@ def test_cli_bad_input(tmp_path, capsys):
         _cli([str(run), "--lengths", "abc"])
     with pytest.raises(ValueError, match="--reach must be one of study, train"):
         _cli([str(run), "--reach", "wide"])
+    with pytest.raises(ValueError, match="--device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        _cli([str(run), "--device", "tpu"])
     with pytest.raises(FileNotFoundError, match="validation data not found .*pass --data DIR"):
         _cli([str(run), "--device", "cpu"])
     assert main(["eval", str(tmp_path / "nope")]) == 2

@@ -48,6 +48,8 @@ def test_demo_grid_uses_demo_setting():
     assert c.model.seq_len == int(setting["model.seq_len"]) and c.train.steps == int(setting["train.steps"])
     assert c.eval.lengths[0] == c.model.seq_len and c.eval.lengths[-1] == 4 * c.model.seq_len
     assert c.data.out_dir == "/r/data/shakespeare-byte" and c.data.sources[0].kind == "bundled"
+    g2 = G.build_grid("demo", sets=["data.out_dir=/shared/d"])
+    assert _cfg(g2, "dense", "/r").data.out_dir == "/shared/d"              # --set wins over the root default
     m = _cfg(grid, "logsparse").model
     assert (m.base, m.schedule) == ("pow2", "fixed")
 
@@ -207,3 +209,16 @@ def test_parallel_grid_for_real(tmp_path):
     root = tmp_path / "par"
     assert cli_main(["grid", "smoke", "--root", str(root), "--devices", "0,1"]) == 0
     assert [s.status for s in R.states(G.build_grid("smoke"), root)] == ["done", "done"]
+
+
+def test_interrupted_run_resumes(tmp_path, smoke_root):
+    from fibattn.train import train
+    grid = G.build_grid("smoke", only="dense", sets=[f"data.out_dir={smoke_root / 'data' / 'shakespeare-byte'}"])
+    cfg = grid.config(grid.runs[0], tmp_path)
+    assert train(cfg, stop_at=2).status == "stopped"
+    assert [s.status for s in R.states(grid, tmp_path)] == ["resume"]
+    lines = []
+    summary = R.run_grid(grid, tmp_path, out=lines.append)
+    assert summary.ran == ["dense"] and any("run 1/1 dense: resuming training" in ln for ln in lines)
+    metrics = (tmp_path / "dense" / "metrics.jsonl").read_text()
+    assert '"step": 3' in metrics and [s.status for s in R.states(grid, tmp_path)] == ["done"]

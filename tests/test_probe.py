@@ -92,3 +92,12 @@ def test_cli_config_and_bad_input():
                       (["--preset", "huge"], "--preset must be cpu or study")]:
         with pytest.raises(ValueError, match=msg):
             P.config_from_args(_args(argv))
+
+
+@pytest.mark.slow
+def test_probe_in_worker_processes(tmp_path):
+    cfg = P.ProbeConfig(task=ProbeTask(seq_len=24, distances=(6, 9), n_distractors=2), depths=(1, 2), steps=2,
+                        batch_size=4, eval_samples=8, warmup=1)
+    cfg.model.d_model = 16
+    report = P.run_probe(cfg, None, echo=lambda s: None, jobs=2)
+    assert [(r.depth, r.start) for r in report.results] == [(d, s) for d in (1, 2) for s in ("uniform", "staggered")]

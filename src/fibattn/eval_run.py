@@ -136,13 +136,14 @@ def _db_path(db: str, run_dir: Path, cfg):
 
 # ----------------------------------------------------------------------------- API
 def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=None, reach=None,
-                 dense_window: bool = False, batch_size=None, device: str = "auto", precision: str = "auto",
+                 dense_window: bool = False, batch_size=None, device: str | None = None, precision: str = "auto",
                  data=None, json_out=None, db: str = "", plot: bool = True, buckets: int = 32,
                  alpha_report: bool = True) -> E.EvalReport:
     """Evaluate a run folder's checkpoint; settings default to the run's ``eval`` config.
 
     ``db``: ``""`` (the run's results DB), a path, or ``"off"``. ``data``: a prepared
-    data folder or ``TokenData`` (default: the run's ``data.out_dir``).
+    data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
+    ``auto | cpu | cuda | cuda:N`` (default: the run's ``train.device``).
     """
     from . import alphas as A
     from . import plots
@@ -153,9 +154,12 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         E.check_lengths(lengths)
     if reach is not None and reach not in E.REACH_MODES:
         raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
-    dev = resolve_device(device)
+    if device is not None:
+        resolve_device(device)                                   # a bad --device fails before loading
+    model, cfg, tokenizer = load_run(run_dir, step, device="cpu")
+    dev = resolve_device(device if device is not None else cfg.train.device)
     prec = resolve_precision(precision, dev)
-    model, cfg, tokenizer = load_run(run_dir, step, device=str(dev))
+    model.to(dev)
     ck_step = _checkpoint_step(run_dir, step)
     ev = cfg.eval
     td = open_data(data, cfg)
@@ -205,7 +209,7 @@ def configure_parser(parser) -> None:
                         help="dense model only: sliding window of the training length")
     parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default: eval.batch_size)")
     parser.add_argument("--buckets", type=int, default=32, help="per-position loss buckets (default 32)")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: the run's train.device)")
     parser.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
     parser.add_argument("--data", default=None, metavar="DIR", help="prepared data folder (default: data.out_dir)")
     parser.add_argument("--json", default=None, metavar="OUT", help="JSON file to merge into (default: RUN/eval.json)")

@@ -67,14 +67,18 @@ class GridRun:
     seed: int = 42
 
     def config(self, root, extra: list[str] | tuple[str, ...] = (), data_dir: str | None = None) -> RunConfig:
-        """The run's validated config, writing to ``ROOT/NAME`` (``extra`` applies after the run's own)."""
+        """The run's validated config, writing to ``ROOT/NAME``.
+
+        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``).
+        """
         cfg = get_preset(self.preset)
-        C.apply_overrides(cfg, list(self.overrides) + list(extra))
+        C.apply_overrides(cfg, list(self.overrides))
+        if data_dir is not None:
+            cfg.data.out_dir = data_dir
+        C.apply_overrides(cfg, list(extra))
         cfg.name = self.name
         cfg.train.seed = self.seed
         cfg.train.out_dir = str(Path(root) / self.name)
-        if data_dir is not None:
-            cfg.data.out_dir = data_dir
         if cfg.train.results_db == "off":
             raise ConfigError("train.results_db=off cannot be used in a grid: the grid records its runs there")
         return C.validate(cfg)

@@ -13,9 +13,16 @@ at the start and the end. ``uniform`` starts every layer at alpha = 1
 every model sees the same training batches. "Retrieves" means accuracy >= 0.5.
 
 Outputs in ``--out``: ``probe.json``, ``probe.md`` (tables) and ``probe.png`` (accuracy
-per distance and final alpha per layer). Presets: ``cpu`` (default; minutes on 2 cores,
-distances 20/32 at length 64) and ``study`` (the study's marked setting, distances
-200/350; sizes are this project's choice, meant for a GPU).
+per distance and final alpha per layer). Presets:
+
+- ``cpu`` (default): plain task, length 48, distances 20 and 32, d_model 32, 2 heads,
+  window 4, 800 steps × 32 samples; six models in worker processes, minutes on 2 cores.
+  The distances are chosen like the study's 350 = round(1.5 · 233): with the staggered
+  start the last layer of a depth-2 model (alpha 1.5) attends 20 = round(1.5 · 13) and
+  32 = round(1.5 · 21), while alpha = 1 attends 21 and 34 but neither 20 nor 32.
+- ``study``: the study's marked setting (distances 200 and 350, one model for both);
+  the sizes (length 384, d_model 128, 4 heads, window 8, 3000 steps × 64) are this
+  project's choice, meant for a GPU.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +50,7 @@ RETRIEVES = 0.5
 
 @dataclass
 class ProbeModel:
-    d_model: int = 64
+    d_model: int = 32
     n_heads: int = 2
     window: int = 4
     base_k: int = 15
@@ -56,7 +64,7 @@ class ProbeConfig:
     model: ProbeModel = field(default_factory=ProbeModel)
     depths: tuple = (2, 4, 8)
     starts: tuple = ("uniform", "staggered")
-    steps: int = 400
+    steps: int = 800
     batch_size: int = 32
     lr: float = 3e-3
     warmup: int = 40
@@ -247,18 +255,57 @@ def plot_report(report: ProbeReport, path) -> Path:
     return save_panels(path, [p1, p2], suptitle="retrieval probe")
 
 
-def run_probe(cfg: ProbeConfig, out_dir=None, *, plot: bool = True, echo=print) -> ProbeReport:
-    """Train every (depth, start) model; write ``probe.json``/``probe.md``/``probe.png`` to ``out_dir``."""
+def _train_in_worker(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
+    torch.set_num_threads(1)                  # tiny models: one thread per process beats intra-op threads
+    return train_one(cfg, depth, start)
+
+
+def resolve_jobs(jobs: int, cfg: ProbeConfig) -> int:
+    """``jobs`` worker processes; ``0`` (auto): one per CPU core up to the number of models, 1 on CUDA."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 0:
+        raise ValueError(f"--jobs must be an integer >= 0 (0: auto), got {jobs!r}")
+    if jobs:
+        return jobs
+    n = 1 if cfg.device != "cpu" else max(1, min(os.cpu_count() or 1, len(cfg.depths) * len(cfg.starts)))
+    log.info("fibattn probe: --jobs auto -> %d process%s", n, "es" if n > 1 else "")
+    return n
+
+
+def _train_all(cfg: ProbeConfig, jobs: int, echo) -> list[ProbeResult]:
+    todo = sorted(((d, s) for d in cfg.depths for s in cfg.starts), key=lambda x: -x[0])    # longest first
+    done: dict = {}
+
+    def report(r: ProbeResult) -> None:
+        done[(r.depth, r.start)] = r
+        accs = ", ".join(f"d={d}: {a:.3f}" for d, a in r.accuracy.items())
+        echo(f"depth {r.depth} {r.start}: {accs} | loss {r.final_loss:.3f} | max alpha move {r.max_move():.4f} "
+             f"| {r.seconds:.0f}s")
+
+    if jobs <= 1:
+        for depth, start in todo:
+            report(train_one(cfg, depth, start))
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = [pool.submit(_train_in_worker, cfg, d, s) for d, s in todo]
+            for fut in as_completed(futures):
+                report(fut.result())
+    return [done[(d, s)] for d in cfg.depths for s in cfg.starts]
+
+
+def run_probe(cfg: ProbeConfig, out_dir=None, *, plot: bool = True, echo=print, jobs: int = 1) -> ProbeReport:
+    """Train every (depth, start) model; write ``probe.json``/``probe.md``/``probe.png`` to ``out_dir``.
+
+    ``jobs``: worker processes (each with one torch thread); 1 trains in this process.
+    Every model is seeded on its own, so the job count changes results only through
+    floating-point summation order (thread count).
+    """
     from . import plots
     cfg.validate()
     report = ProbeReport(cfg.to_dict())
-    for depth in cfg.depths:
-        for start in cfg.starts:
-            r = train_one(cfg, depth, start)
-            report.results.append(r)
-            accs = ", ".join(f"d={d}: {a:.3f}" for d, a in r.accuracy.items())
-            echo(f"depth {depth} {start}: {accs} | loss {r.final_loss:.3f} | max alpha move {r.max_move():.4f} "
-                 f"| {r.seconds:.0f}s")
+    report.results = _train_all(cfg, resolve_jobs(jobs, cfg), echo)
     if out_dir is not None:
         out = Path(out_dir)
         atomic_write_text(out / "probe.json", json.dumps(report.to_dict(), indent=1) + "\n")
@@ -284,7 +331,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=None, help="seed (data and initial weights)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch with --jobs 1 (0: default)")
+    parser.add_argument("--jobs", type=int, default=0, help="worker processes, one thread each (0: auto = one per "
+                        "core up to the number of models on CPU, 1 on CUDA)")
     parser.add_argument("--out", default="runs/probe", metavar="DIR", help="output folder (default runs/probe)")
     parser.add_argument("--no-plot", action="store_true", help="skip probe.png")
 
@@ -329,7 +378,7 @@ def run(args) -> int:
           f" | {'marked' if t.marked else 'plain'} | {cfg.steps} steps × {cfg.batch_size} | out {args.out}",
           flush=True)
     t0 = time.perf_counter()
-    report = run_probe(cfg, args.out, plot=not args.no_plot, echo=lambda s: print(s, flush=True))
+    report = run_probe(cfg, args.out, plot=not args.no_plot, echo=lambda s: print(s, flush=True), jobs=args.jobs)
     print()
     print(report.table())
     print()

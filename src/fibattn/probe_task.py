@@ -32,7 +32,7 @@ def _int(name: str, value, minimum: int) -> int:
 
 @dataclass(frozen=True)
 class ProbeTask:
-    seq_len: int = 64
+    seq_len: int = 48
     distances: tuple = (20, 32)
     marked: bool = False
     n_keys: int = 16

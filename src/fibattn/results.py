@@ -80,9 +80,12 @@ class ResultsDB:
         self.close()
 
     # ----------------------------------------------------------------- runs
-    def start_run(self, name: str, *, config: dict, out_dir: str = "", label: str = "") -> None:
-        """Insert or update a run as ``running`` (keeps the first ``started`` time)."""
+    def start_run(self, name: str, *, config: dict, out_dir: str = "", label: str = "", fresh: bool = False) -> None:
+        """Insert or update a run as ``running``; a resumed run keeps its first ``started`` time,
+        a ``fresh`` one (training from step 0) resets it."""
         with self.conn:
+            if fresh:
+                self.conn.execute("DELETE FROM runs WHERE name=?", (name,))
             self.conn.execute(
                 "INSERT INTO runs (name, label, out_dir, config, status, started, finished) "
                 "VALUES (?, ?, ?, ?, 'running', ?, NULL) ON CONFLICT(name) DO UPDATE SET "

@@ -12,7 +12,9 @@ update (logged); ``train.max_bad_steps`` such steps in a row abort the run, leav
 last checkpoint intact. Outputs in ``OUT``: ``config.json``, ``metrics.jsonl``,
 ``checkpoints/step-N/`` (see :mod:`fibattn.trainer.state`); metrics also go to the
 results database (:mod:`fibattn.results`). SIGTERM stops at the next step boundary
-with a checkpoint (status ``stopped``; ``--resume auto`` continues).
+with a checkpoint (status ``stopped``; ``--resume auto`` continues). Multi-node runs need
+``OUT`` on a filesystem shared by all nodes (every rank writes its RNG and loader state
+into the checkpoint folder).
 """
 from __future__ import annotations
 
@@ -274,7 +276,7 @@ class Trainer:
                                 config=C.to_dict(self.cfg))
             if sinks.db is not None:
                 sinks.db.start_run(run_key(self.out), config=C.to_dict(self.cfg), out_dir=str(self.out.resolve()),
-                                   label=self.cfg.name)
+                                   label=self.cfg.name, fresh=self.step == 0)
             sinks.truncate(self.step)
         status = "failed"
         try:
