@@ -248,8 +248,19 @@ class Checkpoint:
         return (self.path / filename).read_bytes()
 
     def tensors(self, name: str) -> dict[str, torch.Tensor]:
-        return st_load(self._read(f"{name}.safetensors"))
+        try:
+            return st_load(self._read(f"{name}.safetensors"))
+        except CheckpointError:
+            raise
+        except Exception as exc:              # safetensors refuses anything that is not safetensors
+            raise CheckpointError(f"checkpoint {self.path}: file {name}.safetensors is not a valid safetensors "
+                                  f"file ({exc})") from None
 
     def state(self, name: str) -> Any:
         st = f"{name}.safetensors"
-        return decode_state(self._read(f"{name}.json"), self._read(st) if st in self.meta["files"] else None)
+        js, tensors = self._read(f"{name}.json"), self._read(st) if st in self.meta["files"] else None
+        try:
+            return decode_state(js, tensors)
+        except Exception as exc:              # JSON + safetensors only: anything else is refused
+            raise CheckpointError(f"checkpoint {self.path}: state {name} ({name}.json / {st}) is not valid "
+                                  f"JSON + safetensors ({type(exc).__name__}: {exc})") from None

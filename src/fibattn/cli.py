@@ -29,8 +29,15 @@ class UsageError(Exception):
     """Bad user input: printed as one line, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message`` (no usage block), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fibattn", description="Depth-staggered Fibonacci sparse attention.")
+    parser = _Parser(prog="fibattn", description="Depth-staggered Fibonacci sparse attention.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -50,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:              # --help (0) or a bad argument (2, already printed as one line)
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     if getattr(args, "_missing", None):
         print(f"fibattn: error: {args._missing}", file=sys.stderr)
@@ -58,7 +68,8 @@ def main(argv=None) -> int:
     from .config import ConfigError
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except (UsageError, ConfigError, ValueError, FileNotFoundError) as exc:
+    except (UsageError, ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as exc:
         print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -162,7 +162,11 @@ def save(cfg: RunConfig, path) -> None:
 
 def load(path) -> RunConfig:
     with open(path) as fh:
-        return from_dict(json.load(fh))
+        try:
+            data = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    return from_dict(data)
 
 
 # ----------------------------------------------------------------------------- overrides

@@ -163,6 +163,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     ck_step = _checkpoint_step(run_dir, step)
     ev = cfg.eval
     td = open_data(data, cfg)
+    _check_data_matches(td, cfg, run_dir, step)
     names = pick_datasets(datasets if datasets is not None else ev.datasets, list(td.val_names))
     report = E.evaluate(model, {n: td.val_tokens(n) for n in names}, lengths or ev.lengths,
                         tokens=tokens if tokens is not None else ev.tokens, reach=reach or ev.reach,
@@ -188,6 +189,21 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         else:
             plots.warn_unavailable("the per-position loss plot")
     return report
+
+
+def _check_data_matches(td, cfg, run_dir, step) -> None:
+    """The validation data must use the run's tokenizer (checkpoint copy) and fit its vocabulary."""
+    from .data.tokenizers import tokenizer_sha256
+    from .runs import find_checkpoint
+    vocab = getattr(td, "vocab_size", None)
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise ValueError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
+                         f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's tokenizer")
+    want = ((getattr(td, "manifest", None) or {}).get("tokenizer") or {}).get("sha256")
+    ck_tok = find_checkpoint(run_dir, step) / "tokenizer.json"
+    if want and ck_tok.is_file() and tokenizer_sha256(ck_tok) != want:
+        raise ValueError(f"--data {getattr(td, 'path', '')}: its tokenizer does not match the run's ({ck_tok}); "
+                         f"evaluate on data prepared with the run's tokenizer")
 
 
 def _checkpoint_step(run_dir, step):

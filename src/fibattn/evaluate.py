@@ -33,21 +33,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .io import atomic_write_text
 
 log = logging.getLogger("fibattn")
+
+__all__ = ["EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "configure_parser", "count_bytes",
+           "dense_window_mode", "evaluate", "evaluate_run", "position_buckets", "reach_mode", "run",
+           "scored_budget", "scored_target_positions", "token_nll", "window_starts"]
 
 REACH_MODES = ("study", "train")
 EVAL_JSON = "eval.json"

@@ -67,6 +67,21 @@ class TrainResult:
 
 
 # ------------------------------------------------------------------------------ setup
+def check_out_dir(path) -> Path:
+    """Check that ``path`` can be created/written, without creating anything (ConfigError naming it)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"train.out_dir {p} exists and is not a folder")
+    parent = p
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"train.out_dir {p} is not writable: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.out_dir {p} is not writable: no write permission on {parent}")
+    return p
+
+
 def prepare_out_dir(path) -> Path:
     """Create ``path`` and prove it is writable, else raise a ConfigError naming it."""
     p = Path(path)
@@ -82,8 +97,14 @@ def prepare_out_dir(path) -> Path:
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
-    need = n_params * 4 * 3 * (keep + 1)          # weights + two AdamW moments, fp32, per checkpoint
+    one = n_params * 4 * 3                        # weights + two AdamW moments, fp32, per checkpoint
+    need = one * (keep + 1)
+    while not path.exists() and path != path.parent:     # checked before the folder is created
+        path = path.parent
     free = shutil.disk_usage(path).free
+    if free < one:
+        raise ConfigError(f"train.out_dir {path} is full: {free} bytes free, one checkpoint needs about "
+                          f"{one} bytes; free some space or choose another --out")
     if free < need:
         log.warning("fibattn: only %.1f GB free in %s; %d checkpoints need about %.1f GB",
                     free / 1e9, path, keep + 1, need / 1e9)
@@ -149,8 +170,7 @@ class Trainer:
         self.out = Path(t.out_dir)
         self.accum = accum_steps(cfg, dist.world_size)
         if dist.is_main:
-            prepare_out_dir(self.out)
-        D.barrier(dist)
+            check_out_dir(self.out)                  # created in run(), once every input has been checked
         set_threads(t, dist)
         seed_all(t.seed)
         self.data = data if data is not None else load_data(cfg, dist)
@@ -266,11 +286,14 @@ class Trainer:
     def run(self, resume: str, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
         self.resume(resume)
+        if dist.is_main:
+            warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
+            prepare_out_dir(self.out)
+        D.barrier(dist)
         self.wrap()
         sinks = None
         if dist.is_main:
             C.save(self.cfg, self.out / "config.json")
-            warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
             sinks = MetricSinks(self.out, run_key(self.out), resolve_db_path(self.out, t.results_db),
                                 tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
                                 config=C.to_dict(self.cfg))

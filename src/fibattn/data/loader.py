@@ -79,6 +79,7 @@ class TokenData:
         self.manifest = read_manifest(self.path)
         self.vocab_size = int(self.manifest["vocab_size"])
         self.eos_id = int(self.manifest["eos_id"])
+        self._check_tokenizer()
         self._tokenizer = None
         self._train: dict[str, _SourceTokens] = {}
         self._val: dict[str, np.ndarray] = {}
@@ -88,6 +89,17 @@ class TokenData:
             self._train[src["name"]] = _SourceTokens(src["name"], shards)
             self._val[src["name"]] = self._open(src["val"], verify)
             self.weights[src["name"]] = float(src["weight"])
+
+    def _check_tokenizer(self) -> None:
+        """The folder's tokenizer file must be the one its shards were made with (manifest sha256)."""
+        from .tokenizers import tokenizer_sha256
+        rec = self.manifest.get("tokenizer") or {}
+        path = self.path / rec.get("file", "tokenizer.json")
+        if not path.is_file():
+            raise ShardError(f"tokenizer {path} is missing (the manifest of {self.path} names it)")
+        if rec.get("sha256") and tokenizer_sha256(path) != rec["sha256"]:
+            raise ShardError(f"tokenizer {path} does not match the shards: its sha256 differs from the manifest's; "
+                             f"prepare the data again with --force")
 
     def _open(self, rec: dict, verify: bool) -> np.ndarray:
         path = self.path / rec["file"]

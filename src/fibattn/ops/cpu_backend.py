@@ -9,6 +9,8 @@ The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (defa
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
 and the CPU's feature flags; it is compiled to a temporary file and renamed, so
 concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
+The library needs ``libgomp.so.1``; loaded after torch it binds to the copy torch already
+loaded, so the kernels and torch share one OpenMP runtime.
 """
 from __future__ import annotations
 
@@ -148,8 +150,10 @@ def _dims(q: torch.Tensor, kv: torch.Tensor) -> tuple:
 def _call_band(stem, a, b, out, dists, dims):
     fn = _kernel(stem, a.dtype)
     if out.numel():
-        fn(_ptr(a.data_ptr()), _ptr(b.data_ptr()), _ptr(out.data_ptr()), *dims, _ints(dists),
-           _i64(len(dists)), ctypes.c_int(torch.get_num_threads()))
+        failed = fn(_ptr(a.data_ptr()), _ptr(b.data_ptr()), _ptr(out.data_ptr()), *dims, _ints(dists),
+                    _i64(len(dists)), ctypes.c_int(torch.get_num_threads()))
+        if failed:
+            raise MemoryError(f"{stem} could not allocate its scratch buffers")
     return out
 
 
@@ -176,6 +180,8 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
 
 # ------------------------------------------------------------------------- fused op
 def _columns(cols, dtype):
+    if not cols.lo or cols.lo[0] != 0:
+        raise ValueError(f"fused columns must start with distance 0 (every row attends to itself), got {cols.lo}")
     real = _REAL[dtype]
     n = max(len(cols.lo), 1)
     return (_ints(cols.lo), (real * n)(*cols.wlo), (real * n)(*cols.whi),
@@ -193,7 +199,7 @@ def attn_forward(q, k, v, cols, scale: float):
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
         if failed:
-            raise MemoryError("fa_attn_fwd could not allocate its row buffer")
+            raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
     return out, P
 
 
@@ -210,7 +216,7 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
                     _ptr(dfrac.data_ptr()) if need_dfrac else None, *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
         if failed:
-            raise MemoryError("fa_attn_bwd could not allocate its accumulator")
+            raise MemoryError("fa_attn_bwd could not allocate its scratch buffers")
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     return dq, dk, dv, (dfrac[:C] if need_dfrac else None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,11 @@ class ProgressBar:
         print(text, file=self.stream, flush=True)
 
 
+def wandb_run_id(run: str) -> str:
+    """W&B run ids may not contain ``/ \\ # ? % :``; those become ``-`` (the display name keeps them)."""
+    return re.sub(r"[/\\#?%:]", "-", run)
+
+
 class MetricSinks:
     """Rank 0's metric outputs: ``metrics.jsonl``, the results DB and optional trackers."""
 
@@ -90,7 +96,7 @@ class MetricSinks:
                 raise ConfigError("train.wandb=true needs the wandb package (pip install wandb, or the "
                                   "[track] extra)") from None
             self.wb = wandb_mod.init(project=wandb_project, name=run, config=config, dir=str(out_dir),
-                                     resume="allow", id=run)
+                                     resume="allow", id=wandb_run_id(run))
 
     def truncate(self, after_step: int) -> None:
         """Drop records past ``after_step`` (a resumed run logs them again)."""

@@ -1,0 +1,109 @@
+"""fibattn inside a transformers Llama model through the attention-function registry."""
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fibattn import attended_distances, layer_alphas, sparse_attention  # noqa: E402
+from fibattn.hf import IMPL_NAME, apply_fibattn, fibattn_attention, remove_fibattn  # noqa: E402
+
+T = 40
+
+
+def llama(seed=0, layers=3):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def ids(b=2, t=T, seed=1):
+    return torch.randint(0, 256, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_full_window_equals_dense():
+    dense = llama()
+    x = ids()
+    with torch.no_grad():
+        want = dense(x).logits
+        fib = apply_fibattn(copy.deepcopy(dense), window=T, schedule="linear")
+        got = fib(x).logits
+    assert fib.config._attn_implementation == IMPL_NAME
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(remove_fibattn(fib)(x).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_layers_equal_sparse_attention():
+    model = apply_fibattn(llama(), window=3, base="fib:8", schedule="linear", a_min=0.6, a_max=1.4)
+    alphas = layer_alphas("linear", 3, a_min=0.6, a_max=1.4)
+    assert [m.self_attn.fibattn_spec.alpha for m in model.model.layers] == pytest.approx(alphas)
+    seen = {}
+
+    def spy(module, q, k, v, mask=None, **kw):
+        out, w = fibattn_attention(module, q, k, v, mask, **kw)
+        seen[module.layer_idx] = (q, k, v, out)
+        return out, w
+
+    transformers.AttentionInterface.register(IMPL_NAME, spy)
+    try:
+        with torch.no_grad():
+            model(ids())
+    finally:
+        transformers.AttentionInterface.register(IMPL_NAME, fibattn_attention)
+    assert sorted(seen) == [0, 1, 2]
+    dists = []
+    for layer, (q, k, v, out) in seen.items():
+        d = attended_distances(3, alphas[layer], "fib:8", T)
+        dists.append(tuple(d))
+        ref = sparse_attention(q, k, v, d, backend="torch").transpose(1, 2)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        # independent check: dense softmax under the sparse mask
+        gap = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+        mask = torch.isin(gap, torch.tensor(d)) & (gap >= 0)
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        att = (q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+        torch.testing.assert_close(out, (att @ vv).transpose(1, 2), rtol=1e-4, atol=1e-5)
+    assert len(set(dists)) == 3                # staggered: every layer attends a different set
+
+
+def test_cached_decoding_matches_full_forward():
+    model = apply_fibattn(llama(), window=2, schedule="coprime")
+    x = ids(b=1)
+    with torch.no_grad():
+        full = model(x).logits[:, -1]
+        pre = model(x[:, :-1], use_cache=True)
+        cache = getattr(pre, "cache", None) or pre.past_key_values
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        step = model(x[:, -1:], use_cache=True, **{name: cache}).logits[:, -1]
+    torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_flow():
+    model = apply_fibattn(llama(), window=2, schedule="linear").train()
+    x = ids()
+    loss = model(x, labels=x).loss
+    loss.backward()
+    for layer in model.model.layers:
+        g = layer.self_attn.q_proj.weight.grad
+        assert g is not None and g.abs().sum() > 0
+
+
+def test_bad_arguments():
+    model = llama(layers=2)
+    with pytest.raises(ValueError, match="schedule"):
+        apply_fibattn(model, schedule="learned")
+    with pytest.raises(ValueError, match="alphas"):
+        apply_fibattn(model, schedule="custom", alphas=[1.0])
+    with pytest.raises(ValueError, match="window"):
+        apply_fibattn(model, window=-1)
+    with pytest.raises(ValueError, match="layer_idx and q_proj"):
+        apply_fibattn(torch.nn.Linear(2, 2))
+    plain = llama(layers=1)
+    plain.set_attn_implementation(IMPL_NAME)
+    with pytest.raises(ValueError, match="apply_fibattn"):
+        plain(ids(t=4))

@@ -1,0 +1,145 @@
+"""lm-evaluation-harness adapter: scores equal the model's own log-probs; generation stops at `until`."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fibattn import checkpoint as ck
+from fibattn.config import ModelConfig, to_dict
+from fibattn.data.tokenizers import ByteTokenizer
+from fibattn.lm_eval_adapter import FibScorer, run_requests
+from fibattn.model import FibLM
+from fibattn.presets import tiny
+
+TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
+
+
+def small_model(seed=0) -> FibLM:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32,
+                      max_seq_len=4096, window=3, base_k=6, backend="torch")
+    return FibLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    return FibScorer(small_model(), ByteTokenizer(), max_length=16)
+
+
+def direct_logprobs(model, ids):
+    """Log-prob of ids[t] given ids[:t] for t >= 1, from one full forward pass."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0].float()
+    return F.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def test_loglikelihood_matches_direct(scorer):
+    ctx, cont = "To be,", " or not"
+    ll, greedy = scorer.loglikelihood(ctx, cont)
+    ids = list(ctx.encode()) + list(cont.encode())
+    want = direct_logprobs(scorer.model, ids)[-len(cont):].sum()
+    assert ll == pytest.approx(float(want), rel=1e-5, abs=1e-5) and isinstance(greedy, bool)
+    # empty context: the end-of-document token stands in
+    ll0, _ = scorer.loglikelihood("", "To")
+    want0 = direct_logprobs(scorer.model, [255] + list(b"To")).sum()
+    assert ll0 == pytest.approx(float(want0), rel=1e-5, abs=1e-5)
+
+
+def test_is_greedy(scorer):
+    prompt = list(b"To be, or")
+    with torch.no_grad():
+        nxt = int(scorer.model(torch.tensor([prompt]))[0, -1].argmax())
+    assert scorer.score(prompt, [nxt])[1] is True
+    assert scorer.score(prompt, [(nxt + 1) % 256])[1] is False
+
+
+def test_long_context_truncated_left(scorer):
+    ctx, cont = TEXT[:60], TEXT[60:64]
+    ll, _ = scorer.loglikelihood(ctx, cont)
+    ids = (list(ctx.encode()) + list(cont.encode()))[-17:]
+    assert ll == pytest.approx(float(direct_logprobs(scorer.model, ids)[-4:].sum()), rel=1e-5, abs=1e-5)
+
+
+def test_rolling_scores_every_token_once(scorer):
+    toks = list(TEXT.encode())
+    windows = scorer.rolling_windows(toks)
+    assert [t for _, tgt in windows for t in tgt] == toks
+    assert all(len(inp) <= 16 and len(tgt) <= len(inp) for inp, tgt in windows)
+    seq = [255] + toks
+    total = 0.0
+    for inp, tgt in windows:
+        lp = direct_logprobs(scorer.model, inp + [tgt[-1]])
+        total += float(lp[-len(tgt):].sum())
+    assert scorer.loglikelihood_rolling(TEXT) == pytest.approx(total, rel=1e-5)
+    # one window when max_length covers the text: the whole text after eos
+    big = FibScorer(scorer.model, scorer.tokenizer, max_length=len(toks) + 1)
+    assert big.loglikelihood_rolling(TEXT) == pytest.approx(float(direct_logprobs(big.model, seq).sum()), rel=1e-5)
+
+
+def test_generate_until_stops(scorer):
+    free = scorer.generate_until("To be", {"max_gen_toks": 12, "until": []})
+    full = bytes(t for t in _greedy(scorer.model, list(b"To be"), 12)).decode("utf-8", errors="replace")
+    assert free == full
+    stop = free[4:6]
+    cut = scorer.generate_until("To be", {"max_gen_toks": 12, "until": [stop, "\x00never"]})
+    assert cut == free[:free.find(stop)] and stop not in cut
+
+
+def _greedy(model, ids, n):
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            t = int(model(torch.tensor([ids + out]))[0, -1].argmax())
+        if t == 255:
+            break
+        out.append(t)
+    return out
+
+
+def test_bad_arguments(scorer):
+    with pytest.raises(ValueError, match="max_length"):
+        FibScorer(scorer.model, scorer.tokenizer, max_length=0)
+    with pytest.raises(ValueError, match="max_gen_toks"):
+        scorer.generate_until("x", {"max_gen_toks": 16})
+    with pytest.raises(ValueError, match="kind"):
+        run_requests(scorer, "perplexity", [])
+
+
+# ----------------------------------------------------------------------------- with lm-eval installed
+def _run_folder(root):
+    cfg = tiny()
+    model = small_model(1)
+    cfg.model = model.cfg
+    cfg.data.out_dir = str(root / "no-data")
+    tmp = ck.begin(ck.ckpt_root(root), 1)
+    ck.write_tensors(tmp, "model", model.state_dict())
+    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
+    ByteTokenizer().save(tmp / "tokenizer.json")
+    ck.finish(ck.ckpt_root(root), 1)
+    return root, model
+
+
+def test_harness_model_registered(tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import MODEL_REGISTRY, get_model
+    import fibattn.lm_eval_adapter as adapter
+    from fibattn.export import export_run
+    run, model = _run_folder(tmp_path / "run")
+    out = export_run(run, tmp_path / "exp")
+    cls = get_model("fibattn")
+    assert cls is adapter.FibattnLM and "hf" in MODEL_REGISTRY     # built-in models still found
+    lm = cls.create_from_arg_string(f"path={out},max_length=16", {"batch_size": 1, "device": "cpu"})
+    ref = FibScorer(model, ByteTokenizer(), 16)
+    text = tmp_path / "doc.txt"
+    text.write_text(TEXT)
+    doc = text.read_text()
+    ll = [Instance("loglikelihood", {}, (doc[:20], doc[20:25]), 0)]
+    roll = [Instance("loglikelihood_rolling", {}, (doc,), 0)]
+    gen = [Instance("generate_until", {}, ("To be", {"until": ["\n"], "max_gen_toks": 8}), 0)]
+    assert lm.loglikelihood(ll) == [ref.loglikelihood(doc[:20], doc[20:25])]
+    assert lm.loglikelihood_rolling(roll) == [pytest.approx(ref.loglikelihood_rolling(doc))]
+    assert lm.generate_until(gen) == [ref.generate_until("To be", {"until": ["\n"], "max_gen_toks": 8})]
+    lm_run = cls.create_from_arg_string(f"path={run},max_length=16,step=1")
+    assert lm_run.max_length == 16
