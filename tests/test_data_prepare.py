@@ -168,7 +168,7 @@ def test_cli_prepare_progress_and_verify(tmp_path, capsys):
     (['data.sources=[{"weight": 0}]'], r"data.sources\[0\].weight must be a number in \(0"),
     (['data.sources=[{"weight": -1.5}]'], r"data.sources\[0\].weight"),
     (['data.sources=[{"name": "a"}, {"name": "a"}]'], r"used twice"),
-    (['data.sources=[{"colour": "red"}]'], r"unknown key data.sources\[0\].colour"),
+    (['data.sources=[{"colour": "red"}]'], r"unknown (config )?key data.sources\[0\].colour"),
     (["data.sources=[]"], r"data.sources must list at least one source"),
     (["data.tokenizer=wordpiece"], r"data.tokenizer must be one of byte, bpe"),
     (["data.tokenizer=bpe", "data.vocab_size=256"], r"data.vocab_size must be >= 257"),

@@ -32,7 +32,7 @@ log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 8
+_ABI = 9
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

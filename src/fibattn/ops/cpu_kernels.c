@@ -2,7 +2,7 @@
  *
  * Compiled on first use by cpu_backend.py (gcc -O2 -march=native -fopenmp) and loaded
  * with ctypes. Every kernel exists for float (suffix _f32) and double (_f64): this file
- * includes itself once per type with REAL / SFX / EXPR defined.
+ * includes itself once per type with REAL / SFX / EXPR defined (keep its name cpu_kernels.c).
  *
  * Layout (all contiguous, row-major): q, x, out ``(B, H, T, D)``; k, v ``(B, Hk, T, D)``;
  * weights ``(B, H, T, n)``. Query head h = b*H + hk*g + gh reads key head bh = b*Hk + hk,
@@ -40,13 +40,13 @@ typedef int64_t i64;
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
 
-int fa_abi_version(void) { return 8; }
+int fa_abi_version(void) { return 9; }
 
 #define REAL float
 #define FA_RBYTES 4
 #define SFX(x) x##_f32
 #define EXPR expf
-#include __FILE__
+#include "cpu_kernels.c" /* this file again, with REAL defined */
 #undef REAL
 #undef FA_RBYTES
 #undef SFX
@@ -56,7 +56,7 @@ int fa_abi_version(void) { return 8; }
 #define FA_RBYTES 8
 #define SFX(x) x##_f64
 #define EXPR exp
-#include __FILE__
+#include "cpu_kernels.c" /* this file again, with REAL defined */
 #undef REAL
 #undef FA_RBYTES
 #undef SFX
@@ -445,14 +445,16 @@ FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     SFX(zero)(dqi, D);
     SFX(gather)(dqi, kb, ws->row, ws->cf, n, D);
     if (!dfrac || tp->one) return;
-    /* d/d frac of a two-tap column: scale * dS * q.(k_hi - k_lo) + P * dout.(v_hi - v_lo) */
-    SFX(dots)(gi, vb, ws->row, n, D, ws->d2);         /* dout . v per tap (ws->d was overwritten) */
-    SFX(dots)(qi, kb, ws->row, n, D, ws->cf2);        /* q . k per tap */
-    for (i64 t = 0; t + 1 < n; t++) {
-        const i64 c = tp->col[t];
-        if (tp->col[t + 1] != c) continue;            /* taps t (lo) and t + 1 (lo + 1) */
-        dfrac[c] += (double)(scale * ds[c] * (ws->cf2[t + 1] - ws->cf2[t]) + pi[c] * (ws->d2[t + 1] - ws->d2[t]));
-        t++;
+    /* d/d frac of a two-tap column: scale * dS * q.(k_hi - k_lo) + P * dout.(v_hi - v_lo);
+     * ws->d still holds dout . v per tap (dS went to ws->s) */
+    i64 m = 0;
+    for (i64 t = 0; t + 1 < n; t++)                   /* the taps of two-tap columns */
+        if (tp->col[t + 1] == tp->col[t]) ws->row[m] = ws->row[t], ws->row[m + 1] = ws->row[t + 1],
+                                          ws->col[m / 2] = t, m += 2, t++;
+    SFX(dots)(qi, kb, ws->row, m, D, ws->d2);         /* q . k per tap */
+    for (i64 j = 0; j < m; j += 2) {
+        const i64 t = ws->col[j / 2], c = tp->col[t];
+        dfrac[c] += (double)(scale * ds[c] * (ws->d2[j + 1] - ws->d2[j]) + pi[c] * (ws->d[t + 1] - ws->d[t]));
     }
 }
 
