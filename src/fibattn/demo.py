@@ -12,6 +12,7 @@ within ± 5 %. Re-running skips finished runs and resumes interrupted ones.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -93,6 +94,19 @@ def configure_parser(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) | auto | cuda | cuda:N")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra override for every run (experiments; changes the run identity)")
+    parser.add_argument("--jobs", type=int, default=0, metavar="N",
+                        help="CPU runs in parallel, one thread each (default: one per core, at most 4; "
+                             "1 = one run at a time in this process)")
+
+
+def cpu_workers(jobs: int, device: str) -> list[str] | None:
+    """Worker slots for :func:`run_grid`: ``cpu0..cpuN-1`` on CPU, or None for one run at a time."""
+    if jobs < 0:
+        raise ValueError(f"--jobs must be >= 0 (0 = auto), got {jobs}")
+    if device != "cpu":
+        return None
+    n = jobs or min(4, os.cpu_count() or 1)
+    return [f"cpu{i}" for i in range(n)] if n > 1 else None
 
 
 def run(args) -> int:
@@ -109,7 +123,11 @@ def run(args) -> int:
         removed = forget_runs(grid, root)
         print(f"--fresh: removed {len(removed)} earlier run(s) under {root}" if removed else
               f"--fresh: nothing to remove under {root}", flush=True)
-    summary = run_grid(grid, root)
+    workers = cpu_workers(args.jobs, args.device)
+    if workers:
+        print(f"  {len(workers)} runs at a time, one CPU thread each; each run's log is ROOT/RUN/grid.log",
+              flush=True)
+    summary = run_grid(grid, root, devices=workers)
     files = Rp.build_report(grid, root)
     print()
     for table in files.tables:

@@ -219,6 +219,8 @@ def run_grid(grid: Grid, root, *, devices: list[str] | None = None, out: Callabl
     say = out if main else (lambda _text: None)
     say(f"[grid {grid.name}] {len(rows)} runs under {root}: {len(summary.done)} done, {len(todo)} to run"
         + (f" on devices {','.join(devices)}" if devices else ""))
+    if devices and len(todo) == 1:
+        devices = None                     # one run: in this process, with its progress lines
     prog = Progress(grid.name, len(rows), say)
     for i, s in enumerate(rows):
         if s.status == "done":
@@ -281,10 +283,13 @@ def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummar
         dev = free.get()
         log_path = Path(s.cfg.train.out_dir) / "grid.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        prog.line(i, s.run.name, f"started on GPU {dev} (log {log_path})", remaining[0], len(devices))
+        where = f"CPU worker {dev[3:]}" if dev.startswith("cpu") else f"GPU {dev}"
+        prog.line(i, s.run.name, f"started on {where} (log {log_path})", remaining[0], len(devices))
         t0 = time.perf_counter()
         try:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": dev}
+            if dev.startswith("cpu"):           # a CPU worker: no GPU, one thread (no OpenMP contention)
+                env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(key, None)
             with open(log_path, "a") as fh:
@@ -298,7 +303,7 @@ def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummar
         if rc == 0:
             prog.durations.append(dt)
             summary.ran.append(s.run.name)
-            prog.line(i, s.run.name, f"finished on GPU {dev} in {fmt_duration(dt)}", remaining[0], len(devices))
+            prog.line(i, s.run.name, f"finished on {where} in {fmt_duration(dt)}", remaining[0], len(devices))
         else:
             summary.failed[s.run.name] = f"exit status {rc}; see {log_path}"
             prog.line(i, s.run.name, f"FAILED (exit status {rc}, see {log_path})", remaining[0], len(devices))

@@ -177,7 +177,7 @@ int SFX(fa_scores)(const REAL *q, const REAL *k, REAL *out, i64 B, i64 H, i64 Hk
     {
         SFX(ws_t) ws = {0};
         const int bad = SFX(ws_init)(&ws, n);
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
@@ -210,7 +210,7 @@ int SFX(fa_wsum)(const REAL *p, const REAL *v, REAL *out, i64 B, i64 H, i64 Hk, 
     {
         SFX(ws_t) ws = {0};
         const int bad = SFX(ws_init)(&ws, n);
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
@@ -244,7 +244,7 @@ int SFX(fa_wsum_t)(const REAL *p, const REAL *x, REAL *out, i64 B, i64 H, i64 Hk
     {
         SFX(ws_t) ws = {0};
         const int bad = SFX(ws_init)(&ws, n);
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
@@ -397,7 +397,7 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
     {
         SFX(ws_t) ws = {0};
         const int bad = SFX(ws_init)(&ws, C);
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
@@ -491,7 +491,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
         double *acc = dfrac ? calloc(C, sizeof(double)) : NULL;
         const int bad = SFX(ws_init)(&ws, C) || (dfrac && !acc);
         /* pass 1, by query row: dS and dq */
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
@@ -513,7 +513,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
             for (i64 c = 0; c < C; c++) dfrac[c] += acc[c];
         }
         /* pass 2, by key row (after the implicit barrier): dk, dv in gather form */
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic)
         for (i64 bh = 0; bh < B * Hk; bh++)
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
