@@ -18,7 +18,6 @@ caps them at ``reach_len`` (the training length, SPEC §1 Decision).
 """
 from __future__ import annotations
 
-import math
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,26 +25,12 @@ from torch import nn
 from .ops import BACKENDS, interpolated_sparse_attention, sparse_attention
 from .rope import RotaryEmbedding
 from .schedules import Base, LearnedAlphas, as_base, attended_distances, layer_alphas
+from .schedules import _check_int as _int_arg
+from .schedules import _check_positive as _pos_arg
 
 ATTENTION_KINDS = ("dense", "sparse")
 REACH_MODES = ("study", "train")
 _CACHE_MAX = 64
-
-
-def _int_arg(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _pos_arg(name: str, value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
 
 
 # ------------------------------------------------------------------ config helpers

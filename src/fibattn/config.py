@@ -11,7 +11,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 class ConfigError(ValueError):

@@ -271,6 +271,18 @@ def worker_command(grid: Grid, root, name: str, launcher: list[str] | None = Non
     return cmd
 
 
+def _run_logged(cmd: list[str], env: dict, log_path: Path, echo: Callable[[str], None]) -> int:
+    """Run ``cmd`` writing its output to ``log_path``; echo its progress lines (``step …``)."""
+    with open(log_path, "a") as fh, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                                     stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            if line.startswith(("step ", "eval step", "evaluating")):
+                echo(line.rstrip())
+        return proc.wait()
+
+
 def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummary, progress_data: bool) -> None:
     prepare_data([s for _, s in todo], progress=progress_data)
     free: queue.Queue = queue.Queue()
@@ -292,9 +304,8 @@ def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummar
                 env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
             for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(key, None)
-            with open(log_path, "a") as fh:
-                rc = subprocess.run(worker_command(grid, root, s.run.name), env=env, stdout=fh,
-                                    stderr=subprocess.STDOUT).returncode
+            rc = _run_logged(worker_command(grid, root, s.run.name), env, log_path,
+                             lambda line: prog.out(f"  [{s.run.name}] {line}"))
         finally:
             free.put(dev)
         dt = time.perf_counter() - t0
