@@ -126,13 +126,14 @@ def _fake_results(root, grid, lengths, base=10.0):
 def test_report_end_to_end_from_database(tmp_path, capsys):
     root = tmp_path / "demo"
     grid = G.demo_grid()
-    T = grid.config(grid.runs[0], root).model.seq_len
+    model = grid.config(grid.runs[0], root).model
+    T, W = model.seq_len, model.window
     _fake_results(root, grid, [T, 4 * T])
     assert cli_main(["report", "demo", "--root", str(root)]) == 0
     out = capsys.readouterr().out
     assert "Perplexity at the training length" in out and "report.html" in out
     md = (root / "report" / "report.md").read_text()
-    assert "| dense | 10.00 | 20.00 (+100.0 %) |" in md and "| 8 | **11.00** | 12.00 | 13.00 | 14.00 | 16.00 |" in md
+    assert "| dense | 10.00 | 20.00 (+100.0 %) |" in md and f"| {W} | **11.00** | 12.00 | 13.00 | 14.00 | 16.00 |" in md
     assert "| fib_hdc | 14.00 | 14.56 | +4.0 % | within ±5 % | PASS | +1.2 … +4.2 % |" in md
     assert "fib_learned: largest move from start: layer 3" in md and "PASS" in md and "Ours vs the study" not in md
     for png in ("ppl_vs_length.png", "per_position_loss.png", "alphas.png", "distances.png"):
