@@ -115,9 +115,19 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
                 ax.legend(fontsize=7)
         if suptitle:
             fig.suptitle(suptitle, fontsize=11)
+    except BaseException:
+        plt.close(fig)
+        raise
+    return save_figure(fig, path, dpi=110)
+
+
+def save_figure(fig, path, *, dpi: int = 110) -> Path:
+    """Lay out ``fig``, write it as a PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+    try:
         fig.tight_layout()
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
+        fig.savefig(buf, format="png", dpi=dpi)
     finally:
         plt.close(fig)
     atomic_write_bytes(path, buf.getvalue())

@@ -99,8 +99,6 @@ def _pick_per_variant(results) -> list:
 
 def distances(results, path) -> Path | None:
     """One panel per sparse variant (its widest window): ticks at each layer's distances, the union on top."""
-    import io
-    from .io import atomic_write_bytes
     runs = _pick_per_variant(results)
     if not runs:
         return None
@@ -129,13 +127,10 @@ def distances(results, path) -> Path | None:
             ax.set_ylabel("layer")
             ax.grid(True, axis="x", alpha=0.3)
             ax.legend(fontsize=7, loc="lower right")
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
-    finally:
+    except BaseException:
         plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
-    return Path(path)
+        raise
+    return plots.save_figure(fig, path, dpi=100)
 
 
 def draw_all(results, datasets: list[str], out_dir) -> list[tuple[Path, str]]:
