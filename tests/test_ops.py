@@ -3,58 +3,17 @@
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 """
 import logging
-import types
 
 import pytest
 import torch
 
 import fibattn
-from fibattn.ops import backend_available, cpu_backend, engine, torch_backend
-from fibattn.schedules import attended_distances, interpolation_plan
+from fibattn.ops import backend_available, backends, cpu_backend, torch_backend
+from fibattn.ops.columns import ColumnSpec, host_columns
+from fibattn.schedules import attended_distances
+from op_helpers import FP32, FP64, alpha_grad_matches_fd, bf16_check, close, interp, make, run, sparse
 
 FAST = ["torch", "cpu"]
-FP32 = dict(rtol=2e-5, atol=2e-5)
-FP64 = dict(rtol=1e-9, atol=1e-10)
-
-
-def make(B=2, H=4, Hkv=2, T=97, Dh=8, dtype=torch.float32, seed=0, noncontig=False):
-    g = torch.Generator().manual_seed(seed)
-
-    def one(h):
-        if noncontig:      # (B, T, h, Dh) viewed as (B, h, T, Dh)
-            return torch.randn(B, T, h, Dh, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
-        return torch.randn(B, h, T, Dh, generator=g, dtype=torch.float64).to(dtype)
-
-    q, k, v = one(H), one(Hkv), one(Hkv)
-    dout = torch.randn(B, H, T, Dh, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, dout
-
-
-def run(fn, q, k, v, dout, alpha=None):
-    """Output and gradients of q, k, v (and alpha when it is a tensor)."""
-    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    if isinstance(alpha, torch.Tensor):
-        alpha = alpha.detach().clone().requires_grad_(True)
-        out = fn(*leaves, alpha)
-        grads = torch.autograd.grad(out, leaves + [alpha], dout)
-    else:
-        out = fn(*leaves)
-        grads = torch.autograd.grad(out, leaves, dout)
-    return [out.detach()] + list(grads)
-
-
-def close(got, want, **tol):
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dalpha"), got, want):
-        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}", **tol)
-
-
-def sparse(dists, backend, scale=None):
-    return lambda q, k, v: fibattn.sparse_attention(q, k, v, dists, scale=scale, backend=backend)
-
-
-def interp(window, base, backend, scale=None, reach=None):
-    return lambda q, k, v, a: fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base=base, window=window,
-                                                                    reach=reach, scale=scale, backend=backend)
 
 
 # ----------------------------------------------------------------------------- integer op
@@ -86,36 +45,17 @@ def test_integer_fp64_grouped_noncontiguous_custom_scale(backend, Hkv):
     close(got, run(sparse(dists, "reference", scale=0.3), q, k, v, dout), **FP64)
 
 
-def _bf16_check(fn_fast, fn_ref, q, k, v, dout, alpha=None):
-    """Fast bf16 error vs fp64 truth must be within a small multiple of the reference's own bf16 error.
-
-    ``dalpha`` is one number, so the reference's error on it is luck of rounding; it gets a floor of
-    one bf16 ulp of its magnitude.
-    """
-    lo = [x.to(torch.bfloat16) for x in (q, k, v, dout)]
-    truth = run(fn_ref, q, k, v, dout, alpha)
-    ref_err = [(a.double() - b).abs().max().item() for a, b in zip(run(fn_ref, *lo, alpha), truth)]
-    got = run(fn_fast, *lo, alpha)
-    for name, a, b, e in zip(("out", "dq", "dk", "dv", "dalpha"), got, truth, ref_err):
-        if name != "dalpha":
-            assert a.dtype == torch.bfloat16, name
-        err = (a.double() - b).abs().max().item()
-        if name == "dalpha":
-            e = max(e, 2.0 ** -8 * b.abs().item())
-        assert err <= 3 * e + 1e-3, f"{name}: bf16 error {err:.3g} > 3 x reference bf16 error {e:.3g}"
-
-
 @pytest.mark.parametrize("backend", FAST)
 def test_integer_bf16_within_reference_error(backend):
     q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=16, dtype=torch.float64, seed=3)
     dists = attended_distances(6, 1.5, "fib", 97)
-    _bf16_check(sparse(dists, backend), sparse(dists, "reference"), q, k, v, dout)
+    bf16_check(sparse(dists, backend), sparse(dists, "reference"), q, k, v, dout)
 
 
 @pytest.mark.parametrize("backend", FAST)
 def test_interpolated_bf16_within_reference_error(backend):
     q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=16, dtype=torch.float64, seed=4)
-    _bf16_check(interp(6, "fib", backend), interp(6, "fib", "reference"), q, k, v, dout, torch.tensor(1.3))
+    bf16_check(interp(6, "fib", backend), interp(6, "fib", "reference"), q, k, v, dout, torch.tensor(1.3))
 
 
 # ----------------------------------------------------------------------------- interpolated op
@@ -140,16 +80,7 @@ def test_interpolated_long_fp32_grouped_noncontiguous(backend):
 @pytest.mark.parametrize("backend", FAST)
 def test_alpha_gradient_matches_finite_differences(backend):
     q, k, v, dout = make(T=80, Dh=6, dtype=torch.float64, seed=5)
-    fn = interp(6, "fib", backend)
-
-    def loss(a: float) -> float:
-        with torch.no_grad():
-            return (fn(q, k, v, torch.tensor(a, dtype=torch.float64)) * dout).sum().item()
-
-    a0, h = 1.3, 1e-6
-    numeric = (loss(a0 + h) - loss(a0 - h)) / (2 * h)
-    analytic = run(fn, q, k, v, dout, torch.tensor(a0, dtype=torch.float64))[-1].item()
-    assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-7)
+    alpha_grad_matches_fd(interp(6, "fib", backend), q, k, v, dout)
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -202,17 +133,27 @@ def test_cpu_primitives_match_torch_primitives(dtype, group):
         torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{fn}: {m}")
 
 
-def test_engine_with_cpu_primitives_only():
-    """The unfused engine path driven by the C primitives (no fused kernels)."""
-    kern = types.SimpleNamespace(scores=cpu_backend.scores, wsum=cpu_backend.wsum, wsum_t=cpu_backend.wsum_t)
+def test_column_path_driven_by_cpu_primitives():
+    """The torch backend's column path built on the C primitives instead of its own slices."""
     q, k, v, dout = make(T=50, dtype=torch.float64, seed=8)
-    dists = attended_distances(4, 1.5, "fib", 50)
-    got = run(lambda q, k, v: engine.sparse_attention(q, k, v, dists, 0.4, kern), q, k, v, dout)
-    close(got, run(sparse(dists, "reference", scale=0.4), q, k, v, dout), **FP64)
-    plan = interpolation_plan(4, 1.37, "fib", 50)
-    a = torch.tensor(1.37, dtype=torch.float64)
-    got = run(lambda q, k, v, a: engine.interpolated_sparse_attention(q, k, v, a, plan, 0.4, kern), q, k, v, dout, a)
-    close(got, run(interp(4, "fib", "reference", scale=0.4), q, k, v, dout, a), **FP64)
+    for spec, alpha, want_fn in (
+            (ColumnSpec(dists=tuple(attended_distances(4, 1.5, "fib", 50))), None,
+             sparse(attended_distances(4, 1.5, "fib", 50), "reference", scale=0.4)),
+            (ColumnSpec(window=4, base=tuple(fibattn.fib_base(15))), 1.37, interp(4, "fib", "reference", scale=0.4))):
+        cols = host_columns(spec, alpha, 50)
+
+        def fn(q, k, v, *a, cols=cols):
+            out, P = torch_backend.attn_forward(q.detach(), k.detach(), v.detach(), cols, 0.4, prims=cpu_backend)
+            return out, P
+        out, P = fn(q, k, v)
+        dq, dk, dv, dfrac = torch_backend.attn_backward(q, k, v, out, P, dout, cols, 0.4, need_dfrac=True,
+                                                        prims=cpu_backend)
+        a = None if alpha is None else torch.tensor(alpha, dtype=torch.float64)
+        want = run(want_fn, q, k, v, dout, a)
+        close([out, dq, dk, dv], want[:4], **FP64)
+        if a is not None:
+            got_da = (dfrac * torch.tensor(cols.b, dtype=torch.float64)).sum()
+            torch.testing.assert_close(got_da, want[4], **FP64)
 
 
 # ----------------------------------------------------------------------------- flex (forward only on CPU)
@@ -239,8 +180,7 @@ def test_cuda_backends_match_reference(backend):
 
 # ----------------------------------------------------------------------------- backend choice
 def test_auto_picks_cpu_and_logs_once(caplog, monkeypatch):
-    from fibattn import ops
-    monkeypatch.setattr(ops, "_auto_logged", set())
+    monkeypatch.setattr(backends, "_auto_logged", set())
     q, k, v, _ = make(T=4)
     with caplog.at_level(logging.INFO, logger="fibattn"):
         fibattn.sparse_attention(q, k, v, [0, 1])

@@ -13,6 +13,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+# Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
+BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
+
 
 class ConfigError(ValueError):
     """A bad config value; the message names the field and what is allowed."""
@@ -264,7 +267,7 @@ def validate_model(m: ModelConfig) -> None:
     _choice(m, s, "schedule", ("fixed", "linear", "coprime", "learned", "custom"))
     _choice(m, s, "learned_init", ("fixed", "linear", "coprime"))
     _choice(m, s, "reach", ("study", "train"))
-    _choice(m, s, "backend", ("auto", "reference", "torch", "cpu", "flex"))
+    _choice(m, s, "backend", ("auto",) + BACKENDS)
     _num_in(m, s, "a_min", 0, 1e6, lo_open=True)
     _num_in(m, s, "a_max", 0, 1e6, lo_open=True)
     _need(m.a_min <= m.a_max, f"model.a_min must be <= model.a_max, got {m.a_min} > {m.a_max}")

@@ -32,10 +32,11 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
         # a plain float64 CPU tensor, not a buffer: model.to(bfloat16) must not round it
         self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") * 2 / head_dim)
-        self._cache: dict = {}        # device -> complex64 (n, Dh/2) for positions 0..n-1
+        self._cache: dict = {}        # device -> float32 (n, Dh/2, 2): (cos, sin) for positions 0..n-1
 
     def rotations(self, end: int, device) -> torch.Tensor:
-        """``exp(i * pos * freq)`` as complex64 ``(end, Dh/2)`` for positions ``0..end-1``."""
+        """``(cos, sin)`` of ``pos * freq`` as float32 ``(end, Dh/2, 2)`` for positions ``0..end-1``
+        (real, so that a compiled graph holds no complex tensor)."""
         if end > self.max_seq_len:
             raise ValueError(f"position {end - 1} exceeds model.max_seq_len={self.max_seq_len}; "
                              f"raise model.max_seq_len (positions must be < max_seq_len)")
@@ -45,7 +46,7 @@ class RotaryEmbedding(nn.Module):
             n = max(end, 2 * hit.shape[0] if hit is not None else 0)
             n = min(max(n, 256), self.max_seq_len)
             ang = torch.arange(n, dtype=torch.float64, device="cpu")[:, None] * self._inv_freq[None, :]
-            hit = torch.polar(torch.ones_like(ang), ang).to(device=device, dtype=torch.complex64)
+            hit = torch.stack([ang.cos(), ang.sin()], dim=-1).to(device=device, dtype=torch.float32)
             self._cache[key] = hit
         return hit[:end]
 
@@ -58,11 +59,11 @@ class RotaryEmbedding(nn.Module):
         rot = self.rotations(offset + T, x.device)[offset:]
         pairs = x.float().reshape(B, H, T, Dh // 2, 2)
         if torch.compiler.is_compiling():          # inductor has no complex kernels: the same rotation in reals
-            c, s = rot.real, rot.imag
+            c, s = rot[..., 0], rot[..., 1]
             x0, x1 = pairs[..., 0], pairs[..., 1]
             out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
         else:
-            out = torch.view_as_real(torch.view_as_complex(pairs) * rot)
+            out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rot))
         return out.reshape(B, H, T, Dh).to(x.dtype)
 
     def _apply(self, fn, recurse=True):      # .to(device) drops the cached tables

@@ -169,10 +169,15 @@ def interpolation_plan(window: int, alpha: float, base: BaseLike, seq_len: int, 
     _check_int("window", window, 0)
     alpha = _check_positive("alpha", alpha)
     cap = distance_cap(seq_len, reach)
+    return plan_from_values(window, alpha, as_base(base).resolve(seq_len, reach), cap)
+
+
+def plan_from_values(window: int, alpha: float, values: Sequence[int], cap: int) -> InterpolationPlan:
+    """:func:`interpolation_plan` for already resolved base ``values`` and a ``cap``."""
     win = tuple(range(min(window, cap) + 1))
     used: list[tuple[int, int]] = []
     seen: set[int] = set()
-    for b in as_base(base).resolve(seq_len, reach):
+    for b in values:
         t = alpha * b
         lo = math.floor(t)
         if round(t) <= window or lo > cap or lo <= window or lo in seen:

@@ -1,14 +1,23 @@
 """``fibattn bench attention``: forward+backward time and peak extra memory, side by side.
 
-Paths, all on ``q (B, H, T, Dh)``, ``k, v (B, Hkv, T, Dh)`` with B=1, H=8, Dh=64 by default:
+Paths, all on ``q (B, H, T, Dh)``, ``k, v (B, Hkv, T, Dh)``. Defaults: on CPU B=1, H=Hkv=8,
+Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting).
 
-- ``dense``: causal ``scaled_dot_product_attention`` (the baseline);
+- ``dense``: causal ``scaled_dot_product_attention`` (the baseline; FlashAttention on CUDA);
 - ``mask``: SDPA with the boolean T×T mask of the distance set (the study's static path;
   skipped, with the reason printed, when its estimated memory exceeds ``--mask-budget-gb``:
   about 17 bytes per mask entry on CPU with torch 2.13, the bool mask plus the float
   copies SDPA makes of it — measured 0.29 GB at T=4096 and 4.6 GB at T=16384);
+- ``flex``: FlexAttention compiled with the distance set's block mask (CUDA only);
+- ``torch``: :func:`fibattn.sparse_attention` on the portable ``torch`` backend (CUDA only);
 - ``integer``: :func:`fibattn.sparse_attention` with the ``auto`` backend (named in the table);
 - ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``.
+
+On CUDA each timed round runs enough calls to last ~20 ms before it synchronises, and the
+integer and interpolated rows also report the kernels' own memory traffic in GB/s (each
+kernel reading its inputs and writing its outputs once) next to a device-to-device copy
+measured in the same run, the practical bandwidth ceiling. ``--forward-lengths`` (CUDA
+default 131072) times the forward alone, under ``no_grad``.
 
 Times are the median of ``--repeats`` rounds after one warm-up; the paths are interleaved
 round by round so that load from other processes hits them alike. Peak extra memory is
@@ -34,7 +43,10 @@ import fibattn
 from ..ops import resolve_backend
 from ..schedules import attended_distances
 
-PATHS = ("dense", "mask", "integer", "interpolated")
+PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated")
+DEFAULT_PATHS = {"cpu": ("dense", "mask", "integer", "interpolated"), "cuda": PATHS}
+CUDA_LENGTHS = [1024, 4096, 16384, 65536]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -51,6 +63,14 @@ class BenchConfig:
     mask_budget_gb: float = 8.0
     memory: bool = True
     memory_check: int | None = None
+    batch: int = 1
+    dtype: str = "float32"
+    paths: list[str] = field(default_factory=lambda: list(DEFAULT_PATHS["cpu"]))
+    forward_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
 
 @dataclass
@@ -61,6 +81,8 @@ class Record:
     ms: float | None = None
     peak_extra_mb: float | None = None
     skipped: str | None = None
+    mode: str = "fwd+bwd"
+    gb_s: float | None = None
 
 
 # ----------------------------------------------------------------------------- the paths
@@ -69,7 +91,7 @@ def _inputs(cfg: BenchConfig, T: int):
     dev = torch.device(cfg.device)
 
     def rnd(h):
-        return torch.randn(1, h, T, cfg.head_dim, generator=g).to(dev)
+        return torch.randn(cfg.batch, h, T, cfg.head_dim, generator=g).to(dev, _DTYPES[cfg.dtype])
 
     q, k, v = rnd(cfg.heads), rnd(cfg.kv_heads), rnd(cfg.kv_heads)
     return [x.requires_grad_() for x in (q, k, v)], rnd(cfg.heads)
@@ -87,8 +109,8 @@ def mask_bytes(T: int) -> int:
     return MASK_BYTES_PER_ENTRY * T * T
 
 
-def make_step(cfg: BenchConfig, path: str, T: int, inputs=None):
-    """A closure running one forward+backward of ``path`` (on ``inputs`` or fresh ones)."""
+def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool = True):
+    """A closure running one forward+backward (or forward) of ``path`` (on ``inputs`` or fresh ones)."""
     (q, k, v), dout = inputs or _inputs(cfg, T)
     gqa = cfg.kv_heads != cfg.heads
     if path == "dense":
@@ -105,13 +127,14 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None):
 
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    elif path == "integer":
+    elif path in ("integer", "torch", "flex"):
         dists = _distances(cfg, T)
+        backend = "auto" if path == "integer" else path
 
         def fwd():
-            return fibattn.sparse_attention(q, k, v, dists, backend="auto")
+            return fibattn.sparse_attention(q, k, v, dists, backend=backend)
     elif path == "interpolated":
-        alpha = torch.tensor(cfg.alpha, requires_grad=True)
+        alpha = torch.tensor(cfg.alpha, device=q.device, requires_grad=True)
 
         def fwd():
             return fibattn.interpolated_sparse_attention(q, k, v, alpha=alpha, base=f"fib:{cfg.fib_k}",
@@ -120,18 +143,65 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None):
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
 
     def step():
+        if not backward:
+            with torch.no_grad():
+                return fwd()
         for x in (q, k, v):
             x.grad = None
         fwd().backward(dout)
-        if q.is_cuda:
-            torch.cuda.synchronize()
     return step
 
 
 def backend_name(cfg: BenchConfig, path: str) -> str:
     if path in ("dense", "mask"):
         return "sdpa"
+    if path in ("torch", "flex"):
+        return path
     return resolve_backend("auto", torch.device(cfg.device), interpolated=path == "interpolated")
+
+
+def traffic_bytes(cfg: BenchConfig, T: int, backward: bool = True) -> int:
+    """Bytes the fused kernels must move when each reads its inputs and writes its outputs once:
+    forward q, k, v -> out, lse; backward q, dout, out, k, v, lse -> dq, delta and
+    q, dout, k, v, lse, delta -> dk, dv."""
+    es = torch.empty((), dtype=_DTYPES[cfg.dtype]).element_size()
+    nq = cfg.batch * cfg.heads * T * cfg.head_dim * es
+    nkv = cfg.batch * cfg.kv_heads * T * cfg.head_dim * es
+    ns = cfg.batch * cfg.heads * T * 4
+    fwd = 2 * nq + 2 * nkv + ns
+    return fwd + (4 * nq + 2 * nkv + 2 * ns) + (2 * nq + 4 * nkv + 2 * ns) if backward else fwd
+
+
+def copy_gb_s(device: str, nbytes: int = 1 << 31) -> float:
+    """A device-to-device copy's rate (bytes read + written per second): the practical ceiling."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 10 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _timed(step, cuda: bool) -> float:
+    """Milliseconds per call: on CUDA, enough calls per round to last ~20 ms, then one sync."""
+    if not cuda:
+        t0 = time.perf_counter()
+        step()
+        return (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - t0
+    n = max(1, min(200, int(0.02 / max(once, 1e-6))))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
 
 
 # ----------------------------------------------------------------------------- memory
@@ -164,12 +234,13 @@ def measure_in_process(cfg: BenchConfig, path: str, T: int) -> dict:
     """
     make_step(cfg, path, min(T, 32))()
     inputs = _inputs(cfg, T)
-    if cfg.device.startswith("cuda"):
+    if cfg.on_cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         make_step(cfg, path, T, inputs)()
+        torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         return {"peak_extra_mb": (torch.cuda.max_memory_allocated() - base) / 2 ** 20, "ms": ms}
     base = _rss_mb()
@@ -194,51 +265,55 @@ def _skip_reason(cfg: BenchConfig, path: str, T: int) -> str | None:
     if path == "mask" and mask_bytes(T) > cfg.mask_budget_gb * 2 ** 30:
         return (f"a {T}x{T} mask path needs ~{mask_bytes(T) / 2 ** 30:.0f} GiB "
                 f"> --mask-budget-gb {cfg.mask_budget_gb:g}")
+    if path in ("flex", "torch") and not cfg.on_cuda:
+        return f"the {path} path is measured on CUDA only"
     return None
 
 
-def bench_length(cfg: BenchConfig, T: int) -> list[Record]:
-    recs = {p: Record(T, p, backend_name(cfg, p), skipped=_skip_reason(cfg, p, T)) for p in PATHS}
-    live = [p for p in PATHS if recs[p].skipped is None]
-    steps = {p: make_step(cfg, p, T) for p in live}
+def bench_length(cfg: BenchConfig, T: int, backward: bool = True) -> list[Record]:
+    mode = "fwd+bwd" if backward else "fwd"
+    recs = {p: Record(T, p, backend_name(cfg, p), skipped=_skip_reason(cfg, p, T), mode=mode) for p in cfg.paths}
+    live = [p for p in cfg.paths if recs[p].skipped is None]
+    steps = {p: make_step(cfg, p, T, backward=backward) for p in live}
     times: dict[str, list[float]] = {p: [] for p in live}
     for p in live:
         steps[p]()                                    # warm-up (and kernel compilation)
     for _ in range(cfg.repeats):
         for p in live:
-            t0 = time.perf_counter()
-            steps[p]()
-            times[p].append((time.perf_counter() - t0) * 1e3)
+            times[p].append(_timed(steps[p], cfg.on_cuda))
     del steps
     for p in live:
         recs[p].ms = statistics.median(times[p])
-        if cfg.memory:
-            on_cuda = cfg.device.startswith("cuda")
-            mem = measure_in_process(cfg, p, T) if on_cuda else measure_in_subprocess(cfg, p, T)
+        if cfg.on_cuda and p in ("integer", "interpolated"):
+            recs[p].gb_s = traffic_bytes(cfg, T, backward) / (recs[p].ms / 1e3) / 1e9
+        if cfg.memory and backward:
+            mem = measure_in_process(cfg, p, T) if cfg.on_cuda else measure_in_subprocess(cfg, p, T)
             recs[p].peak_extra_mb = mem["peak_extra_mb"]
-    return [recs[p] for p in PATHS]
+    return [recs[p] for p in cfg.paths]
 
 
 def _fmt(x, spec: str) -> str:
     return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
 
-def table(records: list[Record]) -> str:
-    lines = [f"{'T':>7} {'path':<13} {'backend':<8} {'fwd+bwd ms':>11} {'peak extra MB':>14}  note"]
+def table(records: list[Record], copy_rate: float | None = None) -> str:
+    lines = [f"{'T':>7} {'mode':<8} {'path':<13} {'backend':<8} {'ms':>10} {'peak extra MB':>14} {'GB/s':>7}  note"]
     for r in records:
-        lines.append(f"{r.T:>7} {r.path:<13} {r.backend:<8} {_fmt(r.ms, '11.2f')} "
-                     f"{_fmt(r.peak_extra_mb, '14.1f')}  {r.skipped or ''}")
+        lines.append(f"{r.T:>7} {r.mode:<8} {r.path:<13} {r.backend:<8} {_fmt(r.ms, '10.3f')} "
+                     f"{_fmt(r.peak_extra_mb, '14.1f')} {_fmt(r.gb_s, '7.0f')}  {r.skipped or ''}")
     lines.append("")
-    for T in sorted({r.T for r in records}):
-        by = {r.path: r for r in records if r.T == T}
-        ours, dense, interp = by["integer"].ms, by["dense"].ms, by["interpolated"].ms
-        parts = [f"T={T}:"]
-        if ours and dense:
-            parts.append(f"dense/integer = {dense / ours:.1f}x")
-        if ours and by["mask"].ms:
-            parts.append(f"mask/integer = {by['mask'].ms / ours:.1f}x")
-        if ours and interp:
-            parts.append(f"interpolated/integer = {interp / ours:.2f}x")
+    for T, mode in sorted({(r.T, r.mode) for r in records}):
+        by = {r.path: r for r in records if r.T == T and r.mode == mode}
+        ours = by["integer"].ms if "integer" in by else None
+        parts = [f"T={T} {mode}:"]
+        for p in ("dense", "mask", "flex", "torch"):
+            if ours and p in by and by[p].ms:
+                parts.append(f"{p}/integer = {by[p].ms / ours:.1f}x")
+        if ours and "interpolated" in by and by["interpolated"].ms:
+            parts.append(f"interpolated/integer = {by['interpolated'].ms / ours:.2f}x")
+        if copy_rate and "integer" in by and by["integer"].gb_s:
+            parts.append(f"integer traffic {by['integer'].gb_s:.0f} GB/s = {by['integer'].gb_s / copy_rate:.0%} "
+                         f"of a device copy ({copy_rate:.0f} GB/s)")
         lines.append("  ".join(parts))
     return "\n".join(lines)
 
@@ -254,56 +329,94 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=None, help="batch size B (default 1 on CPU, 4 on CUDA)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
+                   help="input dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--paths", default=None,
+                   help=f"comma-separated paths among {','.join(PATHS)} (default: all on CUDA; "
+                        f"{','.join(DEFAULT_PATHS['cpu'])} on CPU)")
+    p.add_argument("--forward-lengths", default=None,
+                   help="lengths timed forward only (default 131072 on CUDA, none on CPU)")
     p.add_argument("--mask-budget-gb", type=float, default=8.0,
                    help="skip the mask path when its estimated memory (~17 bytes x T^2) exceeds this")
 
 
-def config_from_args(args) -> BenchConfig:
-    if args.lengths is None:
-        lengths = [] if args.memory_check else [1024, 4096, 16384]
-    else:
-        try:
-            lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-        except ValueError:
-            raise ValueError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+def _lengths(text: str, flag: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if any(T < 1 for T in lengths):
-        raise ValueError(f"--lengths must be >= 1, got {lengths}")
+        raise ValueError(f"{flag} must be >= 1, got {lengths}")
+    return lengths
+
+
+def config_from_args(args) -> BenchConfig:
+    if not args.device.startswith(("cpu", "cuda")):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    cuda = args.device.startswith("cuda")
+    if args.lengths is None:
+        lengths = [] if args.memory_check else (list(CUDA_LENGTHS) if cuda else [1024, 4096, 16384])
+    else:
+        lengths = _lengths(args.lengths, "--lengths")
+    if args.forward_lengths is None:
+        forward = [131072] if cuda and not args.memory_check and args.lengths is None else []
+    else:
+        forward = _lengths(args.forward_lengths, "--forward-lengths")
+    paths = list(DEFAULT_PATHS["cuda" if cuda else "cpu"]) if args.paths is None else \
+        [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in PATHS]
+    if bad or not paths:
+        raise ValueError(f"--paths must list some of {', '.join(PATHS)}, got {args.paths!r}")
+    batch = (4 if cuda else 1) if args.batch is None else args.batch
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.memory_check is not None and args.memory_check < 1:
         raise ValueError(f"--memory-check must be a length >= 1, got {args.memory_check}")
-    kv = args.heads if args.kv_heads is None else args.kv_heads
+    kv = (2 if cuda else args.heads) if args.kv_heads is None else args.kv_heads
     if args.heads < 1 or kv < 1 or args.heads % kv:
         raise ValueError(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({kv})")
     if args.head_dim < 1:
         raise ValueError(f"--head-dim must be >= 1, got {args.head_dim}")
     if args.mask_budget_gb <= 0:
         raise ValueError(f"--mask-budget-gb must be > 0, got {args.mask_budget_gb}")
-    if not args.device.startswith(("cpu", "cuda")):
-        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
     return BenchConfig(lengths=lengths, repeats=args.repeats, heads=args.heads, kv_heads=kv,
                        head_dim=args.head_dim, device=args.device, mask_budget_gb=args.mask_budget_gb,
-                       memory=not args.no_memory, memory_check=args.memory_check)
+                       memory=not args.no_memory, memory_check=args.memory_check, batch=batch, dtype=dtype,
+                       paths=paths, forward_lengths=forward)
 
 
 def run(args) -> int:
     cfg = config_from_args(args)
     out = sys.stderr if args.json else sys.stdout
-    print(f"attention fwd+bwd: B=1 H={cfg.heads} Hkv={cfg.kv_heads} Dh={cfg.head_dim} W={cfg.window} "
-          f"fib K={cfg.fib_k} alpha={cfg.alpha} device={cfg.device} threads={torch.get_num_threads()} "
-          f"repeats={cfg.repeats}", file=out, flush=True)
+    where = torch.cuda.get_device_name(cfg.device) if cfg.on_cuda else f"cpu threads={torch.get_num_threads()}"
+    print(f"attention: B={cfg.batch} H={cfg.heads} Hkv={cfg.kv_heads} Dh={cfg.head_dim} {cfg.dtype} W={cfg.window} "
+          f"fib K={cfg.fib_k} alpha={cfg.alpha} device={cfg.device} ({where}) repeats={cfg.repeats}",
+          file=out, flush=True)
+    copy_rate = None
+    if cfg.on_cuda:
+        copy_rate = copy_gb_s(cfg.device)
+        print(f"device-to-device copy: {copy_rate:.0f} GB/s (read + write)", file=out, flush=True)
+        if args.json:
+            print(json.dumps({"check": "copy", "gb_s": copy_rate}), flush=True)
     records: list[Record] = []
-    for T in cfg.lengths:
-        recs = bench_length(cfg, T)
+    runs = [(T, True) for T in cfg.lengths] + [(T, False) for T in cfg.forward_lengths]
+    for T, backward in runs:
+        recs = bench_length(cfg, T, backward)
         records += recs
         if args.json:
             for r in recs:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
-        print(table(records), file=out, flush=True)
+        print(table(records, copy_rate), file=out, flush=True)
     if cfg.memory_check:
         T = cfg.memory_check
-        on_cuda = cfg.device.startswith("cuda")
+        on_cuda = cfg.on_cuda
         mem = measure_in_process(cfg, "integer", T) if on_cuda else measure_in_subprocess(cfg, "integer", T)
         rec = Record(T, "integer", backend_name(cfg, "integer"), ms=mem["ms"], peak_extra_mb=mem["peak_extra_mb"])
         verdict = "within" if rec.peak_extra_mb < 2048 else "ABOVE"

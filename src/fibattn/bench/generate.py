@@ -1,8 +1,9 @@
 """``fibattn bench generate``: per-token decode latency, cache memory and prefill time.
 
-Variants (random weights, fp32, batch 1): ``dense``; ``static`` (fib base, linear schedule,
-W=12, 15 rungs); ``learned`` (the same with a learned alpha started from linear: alpha·b is
-fractional, so each rung interpolates two rows). Shapes: the ``tiny`` and ``paper`` presets.
+Variants (random weights, batch 1; float32 on CPU, bfloat16 with ``--device cuda``):
+``dense``; ``static`` (fib base, linear schedule, W=12, 15 rungs); ``learned`` (the same
+with a learned alpha started from linear: alpha·b is fractional, so each rung interpolates
+two rows). Shapes: the ``tiny`` and ``paper`` presets.
 
 - Decode: a :class:`fibattn.generate.DecodeSession` per (variant, context) is put at
   position ``context - 1`` with *random* cached keys/values (no prefill is run: a dense
@@ -36,6 +37,7 @@ from ..model import FibLM
 from ..presets import get_preset
 
 VARIANTS = ("dense", "static", "learned")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _list(text: str, name: str, kind=int, allowed=None) -> list:
@@ -65,7 +67,15 @@ def configure_parser(parser) -> None:
     parser.add_argument("--decode-threads", type=int, default=1,
                         help="torch CPU threads while decoding (default 1: one token is many tiny ops, and "
                              "OpenMP wake-ups dominate them on a shared CPU; 0: as --threads)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (default cpu)")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="weights and caches (default float32 on CPU, bfloat16 on CUDA)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def model_config(shape: str, variant: str):
@@ -80,9 +90,9 @@ def model_config(shape: str, variant: str):
     return cfg
 
 
-def build(shape: str, variant: str) -> FibLM:
+def build(shape: str, variant: str, device="cpu", dtype=torch.float32) -> FibLM:
     torch.manual_seed(0)
-    return FibLM(model_config(shape, variant)).eval()
+    return FibLM(model_config(shape, variant)).eval().to(device=device, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -112,9 +122,11 @@ def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int) ->
         for ctx in contexts:
             for name in models:
                 s = sessions[name, ctx]
+                _sync(s.device)
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     s.step(token)
+                _sync(s.device)
                 if rep:
                     times[name, ctx].append((time.perf_counter() - t0) / steps * 1e3)
     # the best block: other processes sharing the CPU only ever add time
@@ -141,24 +153,29 @@ def prefill_time(model: FibLM, length: int, layers: int) -> tuple[float, float, 
     """Seconds to prefill ``length`` random tokens and, of those, seconds in the attention
     core (both scaled to full depth), and the number of blocks run."""
     view, scale = _shallow(model, layers)
+    device = model.embed.weight.device
     ids = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
     session = DecodeSession(view, 1, length + 1)
     core, spent = session._prefill_core, [0.0]
 
     def timed_core(*args):
+        _sync(device)
         t = time.perf_counter()
         out = core(*args)
+        _sync(device)
         spent[0] += time.perf_counter() - t
         return out
 
     session._prefill_core = timed_core
+    _sync(device)
     t0 = time.perf_counter()
-    session.prefill([0], ids)
+    session.prefill([0], ids.to(device))
+    _sync(device)
     return (time.perf_counter() - t0) * scale, spent[0] * scale, len(view.blocks)
 
 
 def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> list[dict]:
-    models = {v: build(shape, v) for v in variants}
+    models = {v: build(shape, v, args.device, DTYPES[args.dtype]) for v in variants}
     lat = decode_latency(models, contexts, args.steps, args.reps, args.decode_threads)
     records = {}
     for (v, ctx), (ms, nbytes) in lat.items():
@@ -256,6 +273,11 @@ def run(args) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
     if args.threads < 0:
         raise ConfigError(f"--threads must be an integer >= 0, got {args.threads}")
+    if not args.device.startswith(("cpu", "cuda")):
+        raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
     records = []
@@ -265,7 +287,7 @@ def run(args) -> int:
     if args.json:
         settings = dict(contexts=contexts, prefill=prefill, shapes=shapes, variants=variants, steps=args.steps,
                         reps=args.reps, prefill_layers=args.prefill_layers, threads=torch.get_num_threads(),
-                        decode_threads=args.decode_threads,
+                        decode_threads=args.decode_threads, device=args.device, dtype=args.dtype,
                         decode_cache="random keys/values at position context-1")
         print(json.dumps(dict(settings=settings, results=records, ratios=rat), indent=2))
     else:

@@ -4,67 +4,23 @@ Layout, stated once: q ``(B, H, T, Dh)``; k, v ``(B, Hkv, T, Dh)`` with ``H % Hk
 (grouped-query attention: query head ``h`` reads key/value head ``h // (H // Hkv)``);
 the output has q's shape and dtype.
 
-Backends (chosen explicitly; ``auto`` logs its pick once):
-
-- ``reference``: dense mask / explicit columns; small T; the definition of correctness.
-- ``torch``: shifted slices in pure PyTorch; any device; O(T·|D|) memory.
-- ``cpu``: C kernels (OpenMP) compiled on first use; CPU, the fastest there.
-- ``flex``: FlexAttention with a block mask; integer distances only; a comparison point.
+Backends (``backends``; chosen explicitly, ``auto`` logs its pick once): ``reference``,
+``torch``, ``cpu``, ``triton``, ``flex``. The ``torch``, ``cpu`` and ``triton`` kernel sets
+run behind ``torch.library`` custom ops (``custom_ops``), so ``torch.compile`` traces
+both ops — a learned alpha included — without graph breaks.
 """
 from __future__ import annotations
 
-import importlib
-import logging
 import math
 from typing import Sequence
 
 import torch
 
-from ..schedules import BaseLike, interpolation_plan
-from . import engine
+from ..schedules import BaseLike, as_base, interpolation_plan
+from . import custom_ops
+from .backends import BACKENDS, backend_available, resolve_backend
 
-log = logging.getLogger("fibattn")
-
-BACKENDS = ("reference", "torch", "cpu", "flex")
-_MODULES = {"reference": "reference", "torch": "torch_backend", "cpu": "cpu_backend", "flex": "flex_backend"}
-_KERNEL_SETS = ("torch", "cpu")
-_auto_logged: set = set()
-
-
-def _module(name: str):
-    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
-
-
-def backend_available(name: str, device: torch.device) -> str | None:
-    """``None`` when backend ``name`` can run on ``device``, else the reason it cannot."""
-    if name == "reference":
-        return None
-    if name == "torch":
-        return None
-    mod = _module(name)
-    return mod.unavailable(device)
-
-
-def resolve_backend(backend: str, device: torch.device, *, interpolated: bool = False) -> str:
-    """Turn ``auto`` into a concrete backend and check an explicit one can run here."""
-    if backend not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        why = backend_available("cpu", device) if device.type == "cpu" else "not a CPU tensor"
-        chosen = "cpu" if why is None else "torch"
-        key = (device.type, chosen)
-        if key not in _auto_logged:
-            _auto_logged.add(key)
-            reason = "" if why is None else f" (cpu backend: {why})"
-            log.info("fibattn: backend auto -> %s on %s%s", chosen, device.type, reason)
-        return chosen
-    if interpolated and backend == "flex":
-        raise ValueError("backend 'flex' supports integer distances only; use 'cpu', 'torch' or 'reference' "
-                         "for interpolated_sparse_attention")
-    why = backend_available(backend, device)
-    if why is not None:
-        raise RuntimeError(f"backend {backend!r} cannot run on {device}: {why}")
-    return backend
+__all__ = ["BACKENDS", "backend_available", "resolve_backend", "sparse_attention", "interpolated_sparse_attention"]
 
 
 def _check_qkv(q, k, v):
@@ -109,8 +65,23 @@ def _scale(scale, head_dim: int) -> float:
     return scale
 
 
+def _check_alpha(alpha) -> float:
+    try:
+        value = float(alpha.detach() if isinstance(alpha, torch.Tensor) else alpha)
+    except (TypeError, ValueError):
+        raise ValueError(f"alpha must be a positive number or a 0-d tensor, got {alpha!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"alpha must be a finite number > 0, got {value}")
+    return value
+
+
 def _empty_like(q):
     return q.new_zeros(q.shape) + 0 * q.sum()
+
+
+def _reference():
+    from . import reference
+    return reference
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distances: Sequence[int], *,
@@ -127,10 +98,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
     if q.shape[2] == 0:
         return _empty_like(q)
     if name == "reference":
-        return _module("reference").sparse_attention(q, k, v, dists, scale)
+        return _reference().sparse_attention(q, k, v, dists, scale)
     if name == "flex":
-        return _module("flex").sparse_attention(q, k, v, dists, scale)
-    return engine.sparse_attention(q, k, v, dists, scale, _module(name))
+        from . import flex_backend
+        return flex_backend.sparse_attention(q, k, v, dists, scale)
+    return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend)[0]
 
 
 def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alpha,
@@ -143,20 +115,20 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """
     _check_qkv(q, k, v)
     if not isinstance(alpha, torch.Tensor):
-        alpha = torch.tensor(float(alpha), dtype=torch.float64)
+        alpha = torch.tensor(_check_alpha(alpha), dtype=torch.float64)
     if alpha.dim() != 0:
         raise ValueError(f"alpha must be a float or a 0-d tensor, got shape {tuple(alpha.shape)}")
+    if alpha.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_alpha(alpha)        # free on the host; a CUDA alpha is never read back (no sync)
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device, interpolated=True)
     T = q.shape[2]
+    interpolation_plan(window, 1.0, base, max(T, 1), reach=reach)         # validates window, base and reach
     if T == 0:
-        interpolation_plan(window, float(alpha.detach()), base, 1, reach=reach)    # still validate arguments
         return _empty_like(q) + 0 * alpha.to(q.dtype)
-    plan = interpolation_plan(window, float(alpha.detach()), base, T, reach=reach)
     if name == "reference":
-        out = _module("reference").interpolated_sparse_attention(q, k, v, alpha, plan, scale)
-    else:
-        out = engine.interpolated_sparse_attention(q, k, v, alpha, plan, scale, _module(name))
-    if not plan.rungs and alpha.requires_grad:      # keep alpha in the graph: its gradient is 0
-        out = out + 0 * alpha.to(out.dtype)
-    return out
+        plan = interpolation_plan(window, float(alpha.detach()), base, T, reach=reach)
+        out = _reference().interpolated_sparse_attention(q, k, v, alpha, plan, scale)
+        return out + 0 * alpha.to(out.dtype) if not plan.rungs else out     # alpha stays in the graph
+    values = as_base(base).resolve(T, reach)
+    return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend)[0]

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .columns import host_interface
+
 name = "cpu"
 log = logging.getLogger("fibattn")
 
@@ -220,3 +222,6 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     else:
         dq.zero_(), dk.zero_(), dv.zero_()
     return dq, dk, dv, (dfrac[:C] if need_dfrac else None)
+
+
+forward, backward, aux_like = host_interface(attn_forward, attn_backward)      # the op interface

@@ -7,10 +7,18 @@ for ``n`` distances ``d_j``; ``group = H // Hkv``. Rows below 0 are clamped to r
 - ``wsum(p, v, d)[b,h,i] = Σ_j p[b,h,i,j] v[b,h//g,max(i-d_j,0)]``
 - ``wsum_t(p, x, d)`` is the adjoint of ``wsum`` in ``v``:
   ``y[b,hk,m] = Σ_{h in group hk} Σ_j Σ_{i: max(i-d_j,0)=m} p[b,h,i,j] x[b,h,i]``
+
+The fused interface of a kernel set (``attn_forward`` / ``attn_backward`` over columns) is
+built here from these primitives — driven by this module's or by another set's
+(``prims=``) — with a two-tap column's raw scores mixed by a small ``(C, E)`` matrix.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from .columns import host_interface
 
 name = "torch"
 
@@ -57,3 +65,65 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
         if c:
             out[..., 0, :] += (pg[..., :c, j, None] * xg[..., :c, :]).sum((2, 3))
     return out
+
+
+# ------------------------------------------------------------------------- columns
+def _mixing(cols, T: int, dtype, device):
+    """Integer distances whose raw scores the columns need, and the ``(C, E)`` weights
+    (``wlo`` on ``lo``, ``whi`` on ``lo + 1``) turning raw scores into column scores; plus the
+    ``(C, E)`` matrix of ``x[lo + 1] - x[lo]`` for the gradient of ``frac``."""
+    live = [c for c, lo in enumerate(cols.lo) if lo < T]
+    entries = sorted({cols.lo[c] for c in live} | {cols.lo[c] + 1 for c in live if cols.two[c]})
+    where = {e: j for j, e in enumerate(entries)}
+    mix = torch.zeros(len(cols.lo), len(entries), dtype=torch.float64)
+    diff = torch.zeros_like(mix)
+    for c in live:
+        lo = cols.lo[c]
+        if cols.two[c]:
+            mix[c, where[lo]] += cols.wlo[c]
+            mix[c, where[lo + 1]] += cols.whi[c]
+            diff[c, where[lo]] -= 1
+            diff[c, where[lo + 1]] += 1
+        else:
+            mix[c, where[lo]] += 1
+    return entries, mix.to(device=device, dtype=dtype), diff.to(device=device, dtype=dtype)
+
+
+def _valid(T: int, lo, device) -> torch.Tensor:
+    """``(T, C)`` bool: column ``c`` is usable at row ``i`` when ``i >= lo[c]``."""
+    return torch.arange(T, device=device)[:, None] >= torch.tensor(lo, device=device)[None, :]
+
+
+def attn_forward(q, k, v, cols, scale: float, prims=None):
+    """``(out, P)``: softmax attention over ``cols`` (``columns.Columns``) from the band
+    primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)``."""
+    prims = prims or _SELF
+    group, T = q.shape[1] // k.shape[1], q.shape[2]
+    entries, mix, _ = _mixing(cols, T, q.dtype, q.device)
+    s = (prims.scores(q, k, entries, group) @ mix.t()) * scale
+    s = s.masked_fill(~_valid(T, cols.lo, q.device), float("-inf"))
+    P = torch.softmax(s, dim=-1)
+    return prims.wsum(P @ mix, v, entries, group), P
+
+
+def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, prims=None):
+    """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``."""
+    prims = prims or _SELF
+    group, T = q.shape[1] // k.shape[1], q.shape[2]
+    entries, mix, diff = _mixing(cols, T, q.dtype, q.device)
+    dp_raw = prims.scores(dout, v, entries, group)
+    delta = (dout * out).sum(-1, keepdim=True)
+    dS = P * (dp_raw @ mix.t() - delta)
+    dS_e = dS @ mix
+    dq = prims.wsum(dS_e, k, entries, group).mul_(scale)
+    dk = prims.wsum_t(dS_e, q, entries, group).mul_(scale)
+    dv = prims.wsum_t(P @ mix, dout, entries, group)
+    dfrac = None
+    if need_dfrac:      # d s_c / d frac = scale q.(k[lo+1] - k[lo]); d out / d frac = P_c (v[lo+1] - v[lo])
+        s_diff = prims.scores(q, k, entries, group) @ diff.t()
+        dfrac = ((dS * s_diff).sum((0, 1, 2)) * scale + (P * (dp_raw @ diff.t())).sum((0, 1, 2))).double()
+    return dq, dk, dv, dfrac
+
+
+forward, backward, aux_like = host_interface(attn_forward, attn_backward)      # the op interface
+_SELF = sys.modules[__name__]

@@ -1,0 +1,289 @@
+"""The GPU check: everything fibattn claims on CUDA, measured in one run on one machine.
+
+    python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--quick]
+
+Steps, in order of priority (each with its own time limit; when the budget runs low the
+remaining steps are skipped and say so):
+
+1. ``pytest -m gpu``: every backend against ``reference`` on CUDA (outputs and gradients,
+   bf16 tolerances), the compiled FibLM, no recompile when only T changes;
+2. ``fibattn bench attention --device cuda --json`` (B=4, H=8, Hkv=2, Dh=64, bf16;
+   T = 1K … 64K fwd+bwd, 128K forward) and FlexAttention at 4K;
+3. ``fibattn bench train --device cuda --preset paper --json`` (T = 1024, 4096);
+4. a 200-step training run of the paper model shape, dense and fib-linear (W=12), on
+   the bundled corpus (byte tokens, the paper's 32768-entry embedding): tok/s and loss;
+5. ``fibattn bench generate --device cuda --shapes paper --json``;
+6. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` at T=16384.
+
+Writes every step's log and ``summary.json`` (goals with their measured ratios) to
+``--out`` (default ``$OUT`` or ``gpu_check_out``). Needs only the repository and a
+Python with torch (CUDA) and triton: it runs from ``src/`` without installing.
+``--quick`` shrinks every step to a plumbing check (it also runs on a CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GOALS = {  # issue 11: ratios measured side by side on the H200 (bf16, B=4, H=8, Hkv=2, Dh=64)
+    "dense/integer fwd+bwd at 4096": 2.0, "dense/integer fwd+bwd at 16384": 8.0,
+    "dense/integer fwd+bwd at 65536": 25.0, "torch/integer fwd+bwd at 4096": 10.0,
+    "flex/integer fwd+bwd at 4096": 3.0, "integer GB/s / copy GB/s at 65536": 0.40,
+    "train sparse/dense at 1024": 1.0, "train sparse/dense at 4096": 1.5,
+}
+MAX_GOALS = {"interpolated/integer (worst length)": 1.5}
+
+
+class Runner:
+    def __init__(self, out: Path, budget: float, quick: bool):
+        self.out, self.deadline, self.quick = out, time.monotonic() + budget, quick
+        self.device = "cuda" if _cuda() or not quick else "cpu"     # --quick also runs on a CPU
+        self.steps: dict = {}
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1",
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, cmd: list[str], limit: float, env: dict | None = None) -> str | None:
+        """Run ``cmd`` with its output in ``OUT/name.log``; its stdout, or None when skipped or failed."""
+        limit = min(limit, self.left() - 5)
+        if limit < 20:
+            self.steps[name] = {"status": "skipped", "why": "time budget used up"}
+            print(f"== {name}: skipped (budget)", flush=True)
+            return None
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        log = self.out / f"{name}.log"
+        try:
+            res = subprocess.run(cmd, cwd=ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                                 timeout=limit)
+            rc, stdout, stderr = res.returncode, res.stdout, res.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, stdout, stderr = "timeout", _text(exc.stdout), _text(exc.stderr)
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}")
+        secs = round(time.monotonic() - t0, 1)
+        self.steps[name] = {"status": "ok" if rc == 0 else "failed", "rc": rc, "seconds": secs}
+        print(f"   {name}: rc={rc} in {secs}s", flush=True)
+        if rc != 0:
+            print("\n".join((stdout + stderr).strip().splitlines()[-15:]), flush=True)
+        return stdout if rc == 0 else None
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def _json_lines(text: str | None) -> list[dict]:
+    out = []
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if line.startswith("{") and line.endswith("}"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _fibattn(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fibattn.cli", *args]
+
+
+# ----------------------------------------------------------------------------- steps
+def tests(r: Runner, summary: dict) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
+           "tests/test_ops_triton.py", "tests/test_compile.py", "tests/test_ops.py"]
+    try:
+        import xdist  # noqa: F401
+        cmd += ["-n", "8"]            # kernel compilation dominates: compile in parallel
+    except ImportError:
+        pass
+    out = r.run("tests", cmd, 240)
+    text = (r.out / "tests.log").read_text() if (r.out / "tests.log").exists() else ""
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)}
+    summary["tests"] = {"passed_all": out is not None, **counts}
+
+
+def attention(r: Runner, summary: dict) -> None:
+    main = ["bench", "attention", "--device", r.device, "--json", "--repeats", "3",
+            "--paths", "dense,mask,torch,integer,interpolated"]
+    if r.quick:
+        main += ["--lengths", "256", "--forward-lengths", "512", "--repeats", "1"]
+    recs = _json_lines(r.run("bench_attention", _fibattn(*main), 300))
+    flex = ["bench", "attention", "--device", r.device, "--json", "--paths", "flex,integer", "--no-memory",
+            "--lengths", "256" if r.quick else "4096", "--forward-lengths", ""]
+    recs += [x for x in _json_lines(r.run("bench_attention_flex", _fibattn(*flex), 240))
+             if x.get("path") == "flex"]
+    copy = [x["gb_s"] for x in recs if x.get("check") == "copy"]
+    rows = [x for x in recs if "path" in x]
+    summary["attention"] = {"copy_gb_s": copy[0] if copy else None, "records": rows}
+    ms = {(x["T"], x["mode"], x["path"]): x["ms"] for x in rows if x.get("ms")}
+    ratios = summary.setdefault("ratios", {})
+    for (T, mode, path), t in ms.items():
+        ours = ms.get((T, mode, "integer"))
+        if ours and path != "integer":
+            ratios[f"{path}/integer {mode} at {T}"] = t / ours
+    interp = [v for k, v in ratios.items() if k.startswith("interpolated/integer")]
+    if interp:
+        ratios["interpolated/integer (worst length)"] = max(interp)
+    for x in rows:
+        if x["path"] == "integer" and x.get("gb_s") and copy and x["mode"] == "fwd+bwd":
+            ratios[f"integer GB/s / copy GB/s at {x['T']}"] = x["gb_s"] / copy[0]
+
+
+def train_bench(r: Runner, summary: dict) -> None:
+    args = ["bench", "train", "--device", r.device, "--preset", "paper", "--json", "--steps", "5",
+            "--lengths", "1024,4096"]
+    if r.quick:
+        args = ["bench", "train", "--device", r.device, "--preset", "tiny", "--json", "--steps", "1",
+                "--lengths", "64", "--tokens", "256"]
+    out = r.run("bench_train", _fibattn(*args), 240)
+    if out:
+        rows = json.loads(out)["rows"]
+        summary["train_bench"] = rows
+        for row in rows:
+            summary.setdefault("ratios", {})[f"train sparse/dense at {row['length']}"] = row["ratio"]
+
+
+def training(r: Runner, summary: dict) -> None:
+    """200 steps of the paper model shape on the bundled corpus, dense and fib-linear."""
+    data = r.out / "data"
+    if r.run("prepare", _fibattn("prepare", "--preset", "tiny", "--out", str(data), "--quiet"), 120) is None:
+        return
+    steps = 3 if r.quick else 200
+    shape = ["model.vocab_size=32768", "model.d_model=512", "model.n_layers=16", "model.n_heads=8",
+             "model.n_kv_heads=2", "model.seq_len=1024", "model.window=12", "model.base_k=15",
+             f"train.steps={steps}", "train.batch_tokens=32768", "train.micro_batch=8", "train.lr=3e-4",
+             f"train.warmup_steps={min(20, steps)}", f"train.log_every={1 if r.quick else 10}", "train.eval_every=0",
+             "train.eval_tokens=65536", f"train.ckpt_every={steps}", "train.results_db=off",
+             f"data.out_dir={data}", f"train.device={r.device}"]
+    if r.quick:
+        shape += ["model.d_model=64", "model.n_layers=2", "model.seq_len=128", "train.batch_tokens=1024",
+                  "train.micro_batch=8", "model.vocab_size=256"]
+    result = {}
+    for name, extra in (("dense", ["model.attention=dense"]),
+                        ("fib_linear", ["model.attention=sparse", "model.schedule=linear"])):
+        run_dir = r.out / "runs" / name
+        sets = [x for kv in shape + extra for x in ("--set", kv)]
+        if r.run(f"train_{name}", _fibattn("train", "--preset", "tiny", *sets, "--out", str(run_dir)), 200) is None:
+            continue
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        tok = [m["tok_s"] for m in metrics if "tok_s" in m][1:]       # the first window holds the warm-up
+        loss = [m["loss"] for m in metrics if "loss" in m]
+        result[name] = {"tok_s_median": sorted(tok)[len(tok) // 2] if tok else None,
+                        "first_loss": loss[0] if loss else None, "final_loss": loss[-1] if loss else None,
+                        "steps": steps}
+    summary["training"] = result
+    if result.get("dense", {}).get("tok_s_median") and result.get("fib_linear", {}).get("tok_s_median"):
+        summary.setdefault("ratios", {})["training run sparse/dense tok/s"] = (
+            result["fib_linear"]["tok_s_median"] / result["dense"]["tok_s_median"])
+
+
+def generate(r: Runner, summary: dict) -> None:
+    args = ["bench", "generate", "--device", r.device, "--shapes", "paper", "--contexts", "1024,16384,65536",
+            "--prefill", "4096,16384", "--json", "--prefill-layers", "16"]
+    if r.quick:
+        args = ["bench", "generate", "--device", r.device, "--shapes", "tiny", "--contexts", "64,256",
+                "--prefill", "128", "--steps", "1", "--reps", "1", "--json"]
+    out = r.run("bench_generate", _fibattn(*args), 180)
+    if out:
+        summary["generate"] = json.loads(out)["ratios"]
+
+
+def sweep(r: Runner, summary: dict) -> None:
+    """Block rows x warps at T=16384: the data for choosing ``triton_backend.config`` on this GPU."""
+    T = "256" if r.quick else "16384"
+    results = []
+    for bm, warps in ((8, 4), (8, 8), (16, 4), (16, 8), (32, 8)):
+        env = {"FIBATTN_TRITON_BLOCK_M": str(bm), "FIBATTN_TRITON_WARPS": str(warps)}
+        out = r.run(f"sweep_m{bm}_w{warps}", _fibattn("bench", "attention", "--device", r.device, "--json",
+                                                      "--paths", "integer,interpolated", "--no-memory",
+                                                      "--lengths", T, "--forward-lengths", ""), 60, env)
+        for x in _json_lines(out):
+            if "path" in x:
+                results.append({"BLOCK_M": bm, "num_warps": warps, "path": x["path"], "ms": x["ms"]})
+    summary["sweep"] = results
+
+
+def verdicts(summary: dict) -> dict:
+    got = summary.get("ratios", {})
+    out = {}
+    for key, goal in GOALS.items():
+        val = got.get(key)
+        out[key] = {"goal": f">= {goal}", "measured": val, "met": None if val is None else val >= goal}
+    for key, goal in MAX_GOALS.items():
+        val = got.get(key)
+        out[key] = {"goal": f"<= {goal}", "measured": val, "met": None if val is None else val <= goal}
+    return out
+
+
+def environment() -> dict:
+    info = {"python": sys.version.split()[0]}
+    try:
+        import torch
+        info.update(torch=torch.__version__, cuda=torch.version.cuda, device=(
+            torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))
+    except ImportError as exc:
+        info["torch"] = f"not importable: {exc}"
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError as exc:
+        info["triton"] = f"not importable: {exc}"
+    return info
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
+    p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole check (default 470)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a plumbing check")
+    p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,train_bench,training,"
+                                                "generate,sweep)")
+    args = p.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    r = Runner(out, args.budget, args.quick)
+    summary: dict = {"environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    print(json.dumps(summary["environment"]), flush=True)
+    steps = {"tests": tests, "attention": attention, "train_bench": train_bench, "training": training,
+             "generate": generate, "sweep": sweep}
+    chosen = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in steps]
+    if bad:
+        print(f"--only: unknown step(s) {', '.join(bad)}; choose among {', '.join(steps)}", file=sys.stderr)
+        return 2
+    for name in chosen:
+        try:
+            steps[name](r, summary)
+        except Exception as exc:         # one broken step must not lose the others' numbers
+            summary.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+            print(f"   {name}: {type(exc).__name__}: {exc}", flush=True)
+        (out / "summary.json").write_text(json.dumps({**summary, "steps": r.steps}, indent=2))
+    summary["goals"] = verdicts(summary)
+    summary["steps"] = r.steps
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary["goals"], indent=2))
+    print(f"summary: {out / 'summary.json'}")
+    failed = [k for k, v in r.steps.items() if v["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

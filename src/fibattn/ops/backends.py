@@ -1,0 +1,88 @@
+"""Which backend runs an op: the names, what each can run on, and ``auto`` (logged once).
+
+- ``reference``: dense mask / explicit columns; small T; the definition of correctness.
+- ``torch``: shifted slices in pure PyTorch; any device; the portable fallback.
+- ``cpu``: C kernels (OpenMP) compiled on first use; CPU tensors.
+- ``triton``: fused Triton kernels; CUDA tensors (CPU tensors under ``TRITON_INTERPRET=1``).
+- ``flex``: FlexAttention with a block mask; integer distances only; a comparison point.
+
+``auto`` picks ``cpu`` on CPU and ``triton`` on CUDA, and ``torch`` when that one cannot
+run (the log line gives the reason).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ..config import BACKENDS
+
+log = logging.getLogger("fibattn")
+
+KERNEL_SETS = ("torch", "cpu", "triton")          # the backends behind fibattn's custom ops
+_MODULES = {"torch": "torch_backend", "cpu": "cpu_backend", "triton": "triton_backend", "flex": "flex_backend"}
+_PREFERRED = {"cpu": "cpu", "cuda": "triton"}
+_auto_logged: set = set()
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{_MODULES[name]}")
+
+
+@torch.compiler.assume_constant_result
+def backend_available(name: str, device: torch.device) -> str | None:
+    """``None`` when backend ``name`` can run on ``device``, else the reason it cannot."""
+    if name in ("reference", "torch"):
+        return None
+    return _module(name).unavailable(device)
+
+
+def _auto(device: torch.device) -> tuple[str, str | None]:
+    preferred = _PREFERRED.get(device.type)
+    if preferred is None:
+        return "torch", f"no fused backend for {device.type} tensors"
+    why = backend_available(preferred, device)
+    return (preferred, None) if why is None else ("torch", f"{preferred} backend: {why}")
+
+
+def check_name(backend: str) -> None:
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+
+
+@torch.compiler.assume_constant_result
+def resolve_backend(backend: str, device: torch.device, *, interpolated: bool = False) -> str:
+    """Turn ``auto`` into a concrete backend and check an explicit one can run here (no logging)."""
+    check_name(backend)
+    device = torch.device(device)
+    if backend == "auto":
+        return _auto(device)[0]
+    if interpolated and backend == "flex":
+        raise ValueError("backend 'flex' supports integer distances only; use 'triton', 'cpu', 'torch' or "
+                         "'reference' for interpolated_sparse_attention")
+    why = backend_available(backend, device)
+    if why is not None:
+        raise RuntimeError(f"backend {backend!r} cannot run on {device}: {why}")
+    return backend
+
+
+def announce(backend: str, device: torch.device) -> None:
+    """Log what ``auto`` picked on this kind of device, once per process."""
+    if backend != "auto":
+        return
+    chosen, why = _auto(torch.device(device))
+    key = (torch.device(device).type, chosen)
+    if key not in _auto_logged:
+        _auto_logged.add(key)
+        log.info("fibattn: backend auto -> %s on %s%s", chosen, key[0], f" ({why})" if why else "")
+
+
+def kernel_set(backend: str, device: torch.device, *, interpolated: bool = False, log: bool = True):
+    """The module implementing ``forward`` / ``backward`` / ``aux_like`` for ``backend`` here."""
+    name = resolve_backend(backend, device, interpolated=interpolated)
+    if name not in KERNEL_SETS:
+        raise ValueError(f"backend {name!r} has no fused kernel set (one of {', '.join(KERNEL_SETS)})")
+    if log:
+        announce(backend, device)
+    return _module(name)

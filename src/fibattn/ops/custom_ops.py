@@ -1,0 +1,214 @@
+"""The fused ops as ``torch.library`` custom ops: what ``torch.compile`` sees.
+
+- ``fibattn::sparse_attention(q, k, v, dists, scale, backend) -> (out, aux)``
+- ``fibattn::interpolated_sparse_attention(q, k, v, alpha, window, base, reach, scale,
+  backend) -> (out, aux)``
+
+each with a ``..._backward`` op and a registered autograd formula. The public functions
+call them through :class:`SparseAttention` / :class:`InterpolatedSparseAttention`, autograd
+Functions sharing that formula, because functorch's transforms see those and not a
+registered formula.
+
+``aux`` is the backend's saved softmax state (``P`` ``(B, H, T, C)`` for ``torch`` / ``cpu``,
+the log-sum-exp ``(B, H, T)`` for ``triton``); its shape depends only on the arguments,
+never on ``alpha`` (``columns.ColumnSpec.count``), so the fake implementations are exact
+and a learned alpha's column plan is computed *inside* the op — no graph break, no host
+sync on CUDA.
+
+``backend`` is the public name (``auto`` included): the op resolves it on the tensors'
+device, and the real (not the fake) implementation logs an ``auto`` choice once.
+Backends without a custom op: ``reference`` (plain PyTorch, traced as it is) and ``flex``.
+
+``torch.func.grad`` works through the registered autograd, and ``torch.vmap`` through a
+rule that folds the mapped dimension into the batch (per-sample gradients included).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .backends import kernel_set
+from .columns import ColumnSpec
+
+
+def _spec(dists=None, window=0, base=(), reach=None) -> ColumnSpec:
+    return ColumnSpec(None if dists is None else tuple(dists), window, tuple(base), reach)
+
+
+def _vmap_rule(op):
+    """``torch.vmap`` support: the mapped dimension is folded into the batch dimension B (one
+    call); a mapped ``alpha``, or a backward that must return ``d alpha`` per mapped slice,
+    runs one call per slice instead."""
+    def rule(info, in_dims, *args):
+        n = info.batch_size
+        per_slice = any(d is not None and isinstance(a, Tensor) and a.dim() == 1 for a, d in zip(args, in_dims))
+        if op is interpolated_backward_op and args[-1] and any(d is not None for d in in_dims):   # need_dalpha
+            per_slice = True
+        if per_slice:
+            def one(i):
+                return op(*[a.select(d, i) if isinstance(a, Tensor) and d is not None else a
+                            for a, d in zip(args, in_dims)])
+            outs = [one(i) for i in range(n)]
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+        def fold(a, d):
+            if not isinstance(a, Tensor) or a.dim() == 0:
+                return a
+            a = a.movedim(d, 0) if d is not None else a.expand(n, *a.shape)
+            return a.flatten(0, 1)
+        res = op(*[fold(a, d) for a, d in zip(args, in_dims)])
+        return (tuple(r.unflatten(0, (n, -1)) if r.dim() else r for r in res),
+                tuple(0 if r.dim() else None for r in res))
+    return rule
+
+
+# ----------------------------------------------------------------------------- integer op
+@torch.library.custom_op("fibattn::sparse_attention", mutates_args=())
+def sparse_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    return kernel_set(backend, q.device).forward(q, k, v, _spec(dists), None, scale)
+
+
+@sparse_op.register_fake
+def _(q, k, v, dists, scale, backend):
+    return q.new_empty(q.shape), kernel_set(backend, q.device, log=False).aux_like(q, _spec(dists))
+
+
+@torch.library.custom_op("fibattn::sparse_attention_backward", mutates_args=())
+def sparse_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, dists: list[int],
+                       scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv, _ = kernel_set(backend, q.device).backward(dout, q, k, v, out, aux, _spec(dists), None, scale,
+                                                          False)
+    return dq, dk, dv
+
+
+@sparse_backward_op.register_fake
+def _(dout, q, k, v, out, aux, dists, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _no_double_backward(name):
+    def backward(ctx, *grads):
+        raise RuntimeError(f"fibattn::{name} has no second derivative (double backward is not supported)")
+    return staticmethod(backward)
+
+
+class _SparseBackward(torch.autograd.Function):
+    """The backward op as a function of its inputs, for functorch, which differentiates
+    through a backward (it runs it with ``create_graph``); its own backward raises."""
+
+    generate_vmap_rule = True
+    backward = _no_double_backward("sparse_attention")
+
+    @staticmethod
+    def forward(dout, q, k, v, out, aux, dists, scale, backend):
+        return sparse_backward_op(dout, q, k, v, out, aux, dists, scale, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+
+def _sparse_setup(ctx, inputs, output):
+    q, k, v, dists, scale, backend = inputs
+    out, aux = output
+    ctx.save_for_backward(q, k, v, out, aux)
+    ctx.args = (dists, scale, backend)
+    ctx.mark_non_differentiable(aux)
+
+
+def _sparse_grad(ctx, dout, _daux):
+    q, k, v, out, aux = ctx.saved_tensors
+    dq, dk, dv = _SparseBackward.apply(dout, q, k, v, out, aux, *ctx.args)
+    return dq, dk, dv, None, None, None
+
+
+sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
+
+
+class SparseAttention(torch.autograd.Function):
+    """The integer op for autograd *and* functorch (``torch.func.grad``, ``vmap``): a
+    registered autograd formula alone is not seen by functorch's transforms."""
+
+    generate_vmap_rule = True
+    setup_context = staticmethod(_sparse_setup)
+    backward = staticmethod(_sparse_grad)
+
+    @staticmethod
+    def forward(q, k, v, dists, scale, backend):
+        return sparse_op(q, k, v, dists, scale, backend)
+
+
+# ----------------------------------------------------------------------------- fractional op
+@torch.library.custom_op("fibattn::interpolated_sparse_attention", mutates_args=())
+def interpolated_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, window: int, base: list[int],
+                    reach: int | None, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    spec = _spec(None, window, base, reach)
+    return kernel_set(backend, q.device, interpolated=True).forward(q, k, v, spec, alpha, scale)
+
+
+@interpolated_op.register_fake
+def _(q, k, v, alpha, window, base, reach, scale, backend):
+    kern = kernel_set(backend, q.device, interpolated=True, log=False)
+    return q.new_empty(q.shape), kern.aux_like(q, _spec(None, window, base, reach))
+
+
+@torch.library.custom_op("fibattn::interpolated_sparse_attention_backward", mutates_args=())
+def interpolated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, alpha: Tensor,
+                             window: int, base: list[int], reach: int | None, scale: float, backend: str,
+                             need_dalpha: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    spec = _spec(None, window, base, reach)
+    kern = kernel_set(backend, q.device, interpolated=True)
+    dq, dk, dv, da = kern.backward(dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha)
+    return dq, dk, dv, (da if da is not None else alpha.new_zeros(()))
+
+
+@interpolated_backward_op.register_fake
+def _(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), alpha.new_empty(())
+
+
+class _InterpolatedBackward(torch.autograd.Function):
+    generate_vmap_rule = True
+    backward = _no_double_backward("interpolated_sparse_attention")
+
+    @staticmethod
+    def forward(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha):
+        return interpolated_backward_op(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend,
+                                        need_dalpha)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+
+def _interp_setup(ctx, inputs, output):
+    q, k, v, alpha, window, base, reach, scale, backend = inputs
+    out, aux = output
+    ctx.save_for_backward(q, k, v, out, aux, alpha)
+    ctx.args = (window, base, reach, scale, backend)
+    ctx.mark_non_differentiable(aux)
+
+
+def _interp_grad(ctx, dout, _daux):
+    q, k, v, out, aux, alpha = ctx.saved_tensors
+    need = ctx.needs_input_grad[3]
+    dq, dk, dv, da = _InterpolatedBackward.apply(dout, q, k, v, out, aux, alpha, *ctx.args, need)
+    return dq, dk, dv, (da if need else None), None, None, None, None, None
+
+
+interpolated_op.register_autograd(_interp_grad, setup_context=_interp_setup)
+
+
+class InterpolatedSparseAttention(torch.autograd.Function):
+    """The fractional op for autograd and functorch (see :class:`SparseAttention`)."""
+
+    generate_vmap_rule = True
+    setup_context = staticmethod(_interp_setup)
+    backward = staticmethod(_interp_grad)
+
+    @staticmethod
+    def forward(q, k, v, alpha, window, base, reach, scale, backend):
+        return interpolated_op(q, k, v, alpha, window, base, reach, scale, backend)
+
+for _op in (sparse_op, sparse_backward_op, interpolated_op, interpolated_backward_op):
+    _op.register_vmap(_vmap_rule(_op))

@@ -1,0 +1,120 @@
+"""The ops under the compiler and functorch: custom-op checks, a full-graph compiled FibLM
+(static and learned alpha) against eager, ``torch.func.grad`` and ``torch.vmap``."""
+import pytest
+import torch
+
+import fibattn
+from fibattn.config import ModelConfig
+from fibattn.model import FibLM
+from fibattn.ops import backend_available, custom_ops
+
+HOST = ["torch", "cpu"]
+TRITON_CPU = pytest.param("triton", marks=pytest.mark.skipif(
+    backend_available("triton", torch.device("cpu")) is not None, reason="triton interpreter unavailable"))
+
+
+def _qkv(T=33, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, h, T, 8, generator=g, dtype=dtype, requires_grad=True) for h in (4, 2, 2)]
+
+
+@pytest.mark.parametrize("backend", HOST + [TRITON_CPU])
+def test_opcheck(backend):
+    """Schema, fake (meta) implementations with dynamic shapes, and autograd registration."""
+    q, k, v = _qkv(T=20 if backend == "triton" else 33)
+    a = torch.tensor(1.3, requires_grad=True)
+    res = torch.library.opcheck(custom_ops.sparse_op, (q, k, v, [0, 1, 2, 5, 40], 0.3, backend))
+    assert set(res.values()) == {"SUCCESS"}, res
+    res = torch.library.opcheck(custom_ops.interpolated_op, (q, k, v, a, 3, [1, 2, 3, 5, 8, 13], None, 0.3, backend))
+    assert set(res.values()) == {"SUCCESS"}, res
+
+
+def _tiny(schedule, backend="auto"):
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32, window=4,
+                      schedule=schedule, backend=backend)
+    torch.manual_seed(0)
+    return FibLM(cfg)
+
+
+def _loss_and_grads(fn, model, idx, tgt):
+    model.zero_grad(set_to_none=True)
+    _, loss = fn(idx, tgt)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["linear", "learned"])
+def test_fullgraph_compiled_fiblm_matches_eager(schedule):
+    """Inductor on CPU, ``fullgraph=True``: no graph break anywhere, a learned alpha included."""
+    torch._dynamo.reset()
+    model = _tiny(schedule)
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, 64, (2, 32), generator=g) for _ in range(2))
+    want_loss, want = _loss_and_grads(model, model, idx, tgt)
+    compiled = torch.compile(model, fullgraph=True)
+    got_loss, got = _loss_and_grads(compiled, model, idx, tgt)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    if schedule == "learned":
+        assert all(layer.alphas.theta.grad.abs().item() > 0 for layer in model.layers())
+
+
+def test_fullgraph_compiled_triton_backend():
+    """The triton custom ops traced by the compiler (kernels in the interpreter on CPU)."""
+    if backend_available("triton", torch.device("cpu")) is not None:
+        pytest.skip("triton interpreter unavailable")
+    torch._dynamo.reset()
+    model = _tiny("learned", backend="triton")
+    idx = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(2))
+    want_loss, want = _loss_and_grads(model, model, idx, idx)
+    got_loss, got = _loss_and_grads(torch.compile(model, fullgraph=True, backend="aot_eager"), model, idx, idx)
+    torch.testing.assert_close(got_loss, want_loss)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_func_grad_and_vmap_per_sample(backend):
+    """``vmap(grad(...))``: per-sample gradients of q and of alpha, each equal to its own autograd."""
+    g = torch.Generator().manual_seed(3)
+    n = 3
+    q = torch.randn(n, 2, 4, 25, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(n, 2, 2, 25, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    a = torch.tensor(1.3, dtype=torch.float64)
+
+    def loss(q, k, v, a):
+        out = fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib:9", window=3, backend=backend)
+        return out.square().sum() + fibattn.sparse_attention(q, k, v, [0, 1, 4, 9], backend=backend).sum()
+
+    dq, da = torch.vmap(torch.func.grad(loss, argnums=(0, 3)), in_dims=(0, 0, 0, None))(q, k, v, a)
+    for i in range(n):
+        qi, ai = q[i].clone().requires_grad_(), a.clone().requires_grad_()
+        want_q, want_a = torch.autograd.grad(loss(qi, k[i], v[i], ai), (qi, ai))
+        torch.testing.assert_close(dq[i], want_q)
+        torch.testing.assert_close(da[i], want_a)
+    out = torch.vmap(lambda q: fibattn.sparse_attention(q, k[0], v[0], [0, 2], backend=backend))(q)
+    want = torch.stack([fibattn.sparse_attention(q[i], k[0], v[0], [0, 2], backend=backend) for i in range(n)])
+    torch.testing.assert_close(out, want)
+
+
+def test_double_backward_says_it_is_unsupported():
+    q, k, v = _qkv(dtype=torch.float64)
+    out = fibattn.sparse_attention(q, k, v, [0, 1, 3], backend="cpu")
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        dq.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("schedule", ["linear", "learned"])
+def test_fullgraph_compiled_fiblm_on_cuda(schedule):
+    torch._dynamo.reset()
+    model = _tiny(schedule).cuda()
+    idx, tgt = (torch.randint(0, 64, (2, 32), device="cuda") for _ in range(2))
+    want_loss, want = _loss_and_grads(model, model, idx, tgt)
+    got_loss, got = _loss_and_grads(torch.compile(model, fullgraph=True), model, idx, tgt)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

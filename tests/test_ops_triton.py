@@ -1,0 +1,185 @@
+"""The ``triton`` backend against the reference: outputs and gradients (q, k, v, alpha).
+
+Without a GPU the kernels run on CPU tensors in Triton's interpreter (``conftest.py``);
+``-m gpu`` runs the same cases natively on CUDA. The interpreter's cost is per program and
+per column, so shapes are small but cross tiles (T = 257 spans five 64-row tiles).
+"""
+import pytest
+import torch
+
+import fibattn
+from fibattn.ops import backend_available, backends, triton_backend
+from fibattn.schedules import attended_distances
+from op_helpers import FP32, FP64, alpha_grad_matches_fd, bf16_check, close, interp, make, run, sparse
+
+DEVICES = [
+    pytest.param("cpu", id="interpret"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs CUDA")]),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    why = backend_available("triton", torch.device(request.param))
+    if why is not None:
+        pytest.skip(f"triton backend unavailable on {request.param}: {why}")
+    return request.param
+
+
+# ----------------------------------------------------------------------------- integer op
+INTEGER = [  # (T, H, Hkv, Dh, distances or (W, alpha, base))
+    (1, 2, 2, 32, [0, 5]),
+    (2, 4, 2, 32, [0, 1, 3]),
+    (17, 4, 1, 32, [0, 3, 16, 17, 40]),                 # 17 and 40 are never valid
+    (64, 2, 2, 64, (12, 1.5, "fib:8")),
+    (257, 4, 1, 64, (2, 1.5, "fib:12")),
+    (97, 4, 2, 128, (0, 1.3, "pow2")),                  # W = 0
+    (33, 6, 2, 24, (4, 1.0, "fib:9")),                  # a group of 3, a head size that is not a power of two
+]
+
+
+def _dists(spec, T):
+    return spec if isinstance(spec, list) else attended_distances(spec[0], spec[1], spec[2], T)
+
+
+@pytest.mark.parametrize("case", INTEGER, ids=lambda c: f"T{c[0]}-g{c[1] // c[2]}-d{c[3]}")
+def test_integer_fp32_matches_reference(device, case):
+    T, H, Hkv, Dh, spec = case
+    q, k, v, dout = make(B=2 if T < 100 else 1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T, device=device)
+    dists = _dists(spec, T)
+    want = run(sparse(dists, "reference"), *(x.double() for x in (q, k, v, dout)))
+    got = run(sparse(dists, "triton"), q, k, v, dout)
+    assert all(g.dtype == torch.float32 for g in got)
+    close([g.double() for g in got], want, **FP32)
+
+
+def test_integer_fp64_noncontiguous_exact(device):
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=65, Dh=16, dtype=torch.float64, noncontig=True, seed=1, device=device)
+    assert not q.is_contiguous()
+    dists = [0, 1, 2, 7, 20, 64, 200]
+    close(run(sparse(dists, "triton", scale=0.3), q, k, v, dout),
+          run(sparse(dists, "reference", scale=0.3), q, k, v, dout), **FP64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_integer_half_within_reference_error(device, dtype):
+    q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=3, device=device)
+    bf16_check(sparse(attended_distances(6, 1.5, "fib:10", 97), "triton"),
+               sparse(attended_distances(6, 1.5, "fib:10", 97), "reference"), q, k, v, dout, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- interpolated op
+INTERP = [  # (T, H, Hkv, W, alpha, base, reach)
+    (1, 2, 1, 0, 1.2, "fib:6", None),
+    (17, 4, 2, 0, 0.7, "fib:8", None),
+    (64, 4, 1, 6, 1.37, "pow2", None),
+    (257, 2, 2, 3, 0.55, [9, 2, 1, 5, 41, 40, 300], 100),     # unsorted, 41 and 40 share lo 22, reach caps 300
+    (40, 2, 1, 2, 2.5, [3, 4, 7], None),                        # frac 0.5: round-half-even in the plan
+]
+
+
+@pytest.mark.parametrize("case", INTERP, ids=lambda c: f"T{c[0]}-W{c[3]}")
+def test_interpolated_fp64_matches_reference(device, case):
+    T, H, Hkv, W, alpha, base, reach = case
+    q, k, v, dout = make(B=2 if T < 100 else 1, H=H, Hkv=Hkv, T=T, Dh=8, dtype=torch.float64, seed=T, device=device)
+    a = torch.tensor(alpha, dtype=torch.float64, device=device)
+    close(run(interp(W, base, "triton", reach=reach), q, k, v, dout, a),
+          run(interp(W, base, "reference", reach=reach), q, k, v, dout, a), **FP64)
+
+
+def test_interpolated_fp32_cpu_alpha_with_device_tensors(device):
+    """alpha as a float32 CPU parameter next to device tensors: the plan is built on the device."""
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=130, Dh=64, seed=7, device=device)
+    a = torch.tensor(1.43)
+    want = run(interp(12, "fib:12", "reference"), *(x.double() for x in (q, k, v, dout)), a.double())
+    got = run(interp(12, "fib:12", "triton"), q, k, v, dout, a)
+    assert got[-1].dtype == torch.float32 and got[-1].device.type == "cpu"
+    close([g.double() for g in got], want, rtol=1e-4, atol=1e-4)
+
+
+def test_interpolated_bf16_within_reference_error(device):
+    q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=4, device=device)
+    bf16_check(interp(6, "fib:10", "triton"), interp(6, "fib:10", "reference"), q, k, v, dout,
+               torch.tensor(1.3, device=device))
+
+
+@pytest.mark.parametrize("alpha,base", [(1.0, "fib:10"), (2.0, "pow2")])
+def test_interpolated_equals_integer_for_integer_targets(device, alpha, base):
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=120, Dh=16, dtype=torch.float64, seed=6, device=device)
+    a = torch.tensor(alpha, dtype=torch.float64, device=device)
+    got = run(interp(4, base, "triton"), q, k, v, dout, a)
+    want = run(sparse(attended_distances(4, alpha, base, 120), "triton"), q, k, v, dout)
+    close(got[:4], want, **FP64)
+    assert got[4] != 0          # d/d alpha exists at integer targets (the second tap is still read)
+
+
+def test_alpha_gradient_matches_finite_differences(device):
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=80, Dh=6, dtype=torch.float64, seed=5, device=device)
+    alpha_grad_matches_fd(interp(6, "fib:10", "triton"), q, k, v, dout)
+
+
+def test_small_tiles(device, monkeypatch):
+    """16-row tiles: columns and clamped second taps that cross several tile boundaries."""
+    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "16")
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=50, Dh=8, dtype=torch.float64, seed=9, device=device)
+    a = torch.tensor(1.37, dtype=torch.float64, device=device)
+    close(run(interp(2, "fib:9", "triton"), q, k, v, dout, a),
+          run(interp(2, "fib:9", "reference"), q, k, v, dout, a), **FP64)
+    dists = attended_distances(2, 1.5, "fib:9", 50)
+    close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+
+
+# ----------------------------------------------------------------------------- choice and configuration
+def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(triton_backend, "unavailable", lambda device: None)
+    assert backends._auto(cuda) == ("triton", None)
+    monkeypatch.setattr(triton_backend, "unavailable", lambda device: "triton is not importable (test)")
+    name, why = backends._auto(cuda)
+    assert name == "torch" and "triton is not importable" in why
+
+
+def test_block_size_override_is_checked(monkeypatch):
+    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "24")
+    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_M must be a power of two, got 24"):
+        triton_backend.config(1, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_recompile_when_only_length_changes():
+    """T is a runtime argument: one compiled kernel serves every length."""
+    kern = triton_backend.kernels()
+    counts = []
+    for T in (1000, 1001, 1024, 2049, 4096):
+        q, k, v, dout = make(B=1, H=4, Hkv=2, T=T, Dh=64, dtype=torch.bfloat16, device="cuda")
+        run(sparse(attended_distances(12, 1.5, "fib", 4096), "triton"), q, k, v, dout)
+        counts.append(sum(len(c[0]) for c in kern.fwd_kernel.device_caches.values()))
+    assert counts == [counts[0]] * len(counts), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_picks_triton_on_cuda():
+    assert fibattn.ops.resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_kernels_compile_for_sm90_without_a_device():
+    """What the interpreter cannot check: every kernel lowers to sm_90 machine code (Triton's
+    own ptxas), at the configuration the backend picks, without large spills."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "triton_resources.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(script), "4x64"], capture_output=True, text=True, env=env, timeout=600)
+    if res.returncode and "nvidia" in res.stderr and "No module" in res.stderr:
+        pytest.skip("triton without its NVIDIA backend")
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines() if "registers" in line]
+    assert len(rows) == 6, res.stdout
+    for row in rows:
+        regs, stack = int(row[-5]), int(row[-3])
+        assert regs <= 255 and stack <= 64, row
