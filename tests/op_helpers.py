@@ -50,23 +50,38 @@ def interp(window, base, backend, scale=None, reach=None):
                                                                     reach=reach, scale=scale, backend=backend)
 
 
-def bf16_check(fn_fast, fn_ref, q, k, v, dout, alpha=None, dtype=torch.bfloat16):
-    """Fast bf16 (or ``dtype``) error vs fp64 truth must be within a small multiple of the reference's own.
+def ulps(got, truth, dtype) -> float:
+    """Largest error of ``got`` in units of ``dtype``'s last place at each element of ``truth``
+    (elements below a tenth of the largest are measured at that tenth, so that near-zero
+    entries do not dominate)."""
+    truth, got = truth.double(), got.double()
+    ref = torch.maximum(truth.abs(), 0.1 * truth.abs().max()).clamp_min(1e-300)
+    ulp = torch.exp2(torch.floor(torch.log2(ref))) * torch.finfo(dtype).eps
+    return ((got - truth).abs() / ulp).max().item()
 
-    ``dalpha`` is one number, so the reference's error on it is luck of rounding; it gets a floor of
-    one bf16 ulp of its magnitude.
+
+def bf16_check(fn_fast, fn_ref, q, k, v, dout, alpha=None, dtype=torch.bfloat16):
+    """A fast path on half-precision inputs against exact (fp64) maths on the same rounded inputs.
+
+    A path that accumulates in fp32 and rounds once at the end is within one unit in the last
+    place on ``out`` and ``dv`` (rounding to nearest: 0.5; Triton's interpreter truncates: 1.0);
+    one that accumulates in half precision is several units off (measured: 7–9). ``dq`` and
+    ``dk`` go through ``p * (dp - delta)``, whose cancellation amplifies the rounding of the
+    saved half-precision ``out``; they get a wider bound, ``d alpha`` a relative one.
     """
     lo = [x.to(dtype) for x in (q, k, v, dout)]
-    truth = run(fn_ref, q, k, v, dout, alpha)
-    ref_err = [(a.double() - b).abs().max().item() for a, b in zip(run(fn_ref, *lo, alpha), truth)]
+    a64 = None if alpha is None else alpha.double()
+    truth = run(fn_ref, *(x.double() for x in lo), a64)
     got = run(fn_fast, *lo, alpha)
-    for name, a, b, e in zip(("out", "dq", "dk", "dv", "dalpha"), got, truth, ref_err):
-        if name != "dalpha":
-            assert a.dtype == dtype, name
-        err = (a.double() - b).abs().max().item()
+    bounds = {"out": 1.5, "dq": 12, "dk": 12, "dv": 1.5}
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dalpha"), got, truth):
         if name == "dalpha":
-            e = max(e, 2.0 ** -8 * b.abs().item())
-        assert err <= 3 * e + 1e-3, f"{name}: bf16 error {err:.3g} > 3 x reference bf16 error {e:.3g}"
+            rel = abs(a.item() - b.item()) / max(abs(b.item()), 1e-12)
+            assert rel <= 2 ** -6, f"dalpha: relative error {rel:.3g} > 2^-6"
+            continue
+        assert a.dtype == dtype, name
+        err = ulps(a, b, dtype)
+        assert err <= bounds[name], f"{name}: {err:.2f} units in the last place > {bounds[name]}"
 
 
 def alpha_grad_matches_fd(fn, q, k, v, dout, a0=1.3, h=1e-6):

@@ -57,9 +57,25 @@ def test_learned_integer_alpha_equals_static_and_alpha_gets_gradient():
     x = torch.randn(1, 30, 32, dtype=torch.float64)
     torch.testing.assert_close(learned(x), static(x), atol=1e-6, rtol=1e-6)
     moved = layer(alpha=1.17, learned=True)
-    moved(x).square().sum().backward()
-    g = moved.alphas.theta.grad
-    assert g is not None and g.abs().item() > 0 and abs(moved.current_alpha() - 1.17) < 1e-5
+    assert abs(moved.current_alpha() - 1.17) < 1e-5
+    w = torch.randn(1, 30, 32, dtype=torch.float64)
+
+    def loss():
+        return (moved(x) * w).sum()
+    loss().backward()
+    theta = moved.alphas.theta
+    # the gradient against central differences of the loss in theta (float64; every alpha * b
+    # stays well away from the points where its floor or rounding changes: smooth in alpha there)
+    h = 1e-6
+    with torch.no_grad():
+        theta += h
+        up = loss().item()
+        theta -= 2 * h
+        down = loss().item()
+        theta += h
+    fd = torch.tensor([(up - down) / (2 * h)], dtype=torch.float64)
+    assert fd.abs().item() > 1e-3                      # a real signal, not a zero/zero match
+    torch.testing.assert_close(theta.grad, fd, rtol=1e-5, atol=1e-8)
 
 
 def test_rope_is_relative_and_applied_before_attention():
@@ -133,6 +149,46 @@ def test_from_config_schedules():
     assert layers[0].reach_len == 64
     with pytest.raises(ValueError, match="layer_idx"):
         FibAttention.from_config(cfg, 4)
+
+
+def _rope_by_hand(x, positions, head_dim, theta):
+    """RoPE from its closed form, element by element with ``math``: pair ``(2j, 2j+1)`` at
+    position ``m`` is multiplied (as ``x[2j] + i x[2j+1]``) by ``exp(i * m * theta**(-2j/Dh))``."""
+    out = torch.empty_like(x, dtype=torch.float64)
+    B, H, T, Dh = x.shape
+    for b in range(B):
+        for h in range(H):
+            for t, m in enumerate(positions):
+                for j in range(Dh // 2):
+                    ang = m * theta ** (-2 * j / head_dim)
+                    re, im = float(x[b, h, t, 2 * j]), float(x[b, h, t, 2 * j + 1])
+                    out[b, h, t, 2 * j] = re * math.cos(ang) - im * math.sin(ang)
+                    out[b, h, t, 2 * j + 1] = re * math.sin(ang) + im * math.cos(ang)
+    return out
+
+
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compile-path"])
+@pytest.mark.parametrize("head_dim, theta", [(8, 1e4), (6, 500.0)])
+def test_rope_matches_closed_form_angles(monkeypatch, compiling, head_dim, theta):
+    if compiling:                       # the real-arithmetic branch torch.compile traces
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    rope = RotaryEmbedding(head_dim, theta=theta)
+    x = torch.randn(1, 2, 3, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    # offsets 0, small, and past the first 256-row table (the cache is regrown on demand)
+    for offset in (0, 5, 300, 1000):
+        got = rope(x, offset)
+        assert got.dtype == torch.float64 and got.shape == x.shape
+        want = _rope_by_hand(x, [offset + t for t in range(3)], head_dim, theta)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)   # rotation in float32
+    # a single pair, exactly: (1, 0) at position m rotates onto (cos, sin) of m * theta**(-2j/Dh)
+    j, m = head_dim // 2 - 1, 7
+    e = torch.zeros(1, 1, 1, head_dim, dtype=torch.float64)
+    e[..., 2 * j] = 1.0
+    ang = m * theta ** (-2 * j / head_dim)
+    got = rope(e, m)[0, 0, 0]
+    assert got[2 * j].item() == pytest.approx(math.cos(ang), abs=1e-6)
+    assert got[2 * j + 1].item() == pytest.approx(math.sin(ang), abs=1e-6)
+    assert got[: 2 * j].abs().max().item() == 0.0
 
 
 def test_rope_real_path_matches_complex(monkeypatch):

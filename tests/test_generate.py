@@ -122,8 +122,26 @@ def test_greedy_deterministic_and_seeded_sampling_reproducible():
     a = generate_tokens(model, prompt, seed=11, **kw)
     assert a == generate_tokens(model, prompt, seed=11, **kw)
     assert a != generate_tokens(model, prompt, seed=12, **kw)
-    assert model.generate(prompt, max_new_tokens=20, seed=11, temperature=1.3, top_k=20, top_p=0.95) is not None
-    assert [int(s.tokens[0]) for s in model.generate(prompt, seed=11, **kw)] == a[0]
+    # the FibLM.generate stream itself: 20 steps, numbered, the last one finished, tokens as above
+    steps = list(model.generate(prompt, seed=11, **kw))
+    tokens = [int(s.tokens[0]) for s in steps]
+    assert tokens == a[0] and len(tokens) == 20 and all(0 <= t < 64 for t in tokens)
+    assert [s.index for s in steps] == list(range(20))
+    assert [bool(s.finished[0]) for s in steps] == [False] * 19 + [True]
+    assert [int(s.tokens[0]) for s in model.generate(prompt, seed=11, **kw)] == tokens      # same seed, same tokens
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + tokens]))[0]
+    replay = torch.Generator().manual_seed(11)
+    for i, (st, tok) in enumerate(zip(steps, tokens)):
+        # each step's logits are the full forward's at the previous position
+        torch.testing.assert_close(st.logits[0], full[len(prompt) - 1 + i], rtol=1e-5, atol=1e-5)
+        # the token lies in the top_k=20 / top_p=0.95 support of those logits at temperature 1.3
+        x = st.logits[0].double() / 1.3
+        assert (x > x[tok]).sum().item() < 20
+        p = torch.softmax(x.masked_fill(x < x.topk(20).values[-1], float("-inf")), -1)
+        assert p[p > p[tok]].sum().item() < 0.95
+        # and is the one draw per step from the row's generator seeded with 11
+        assert sample(st.logits, Sampling(1.3, 20, 0.95), [replay]).item() == tok
 
 
 def test_sampling_filters():

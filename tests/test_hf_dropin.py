@@ -83,14 +83,41 @@ def test_cached_decoding_matches_full_forward():
     torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-5)
 
 
-def test_gradients_flow():
-    model = apply_fibattn(llama(), window=2, schedule="linear").train()
+def masked_dense_attention(module, q, k, v, mask=None, scaling=None, dropout=0.0, **kw):
+    """Independent reference for the registered function: dense softmax under the layer's sparse mask."""
+    T = q.shape[2]
+    gap = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    allowed = torch.isin(gap, torch.tensor(module.fibattn_spec.distances(T))) & (gap >= 0)
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ kk.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    return (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ vv).transpose(1, 2), None
+
+
+def test_gradients_match_masked_dense_reference():
+    """Every parameter's gradient (float64) equals the one through an explicit masked softmax."""
+    model = apply_fibattn(llama(), window=2, schedule="linear").double().train()
     x = ids()
-    loss = model(x, labels=x).loss
-    loss.backward()
-    for layer in model.model.layers:
-        g = layer.self_attn.q_proj.weight.grad
-        assert g is not None and g.abs().sum() > 0
+    model(x, labels=x).loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    transformers.AttentionInterface.register(IMPL_NAME, masked_dense_attention)
+    try:
+        model(x, labels=x).loss.backward()
+    finally:
+        transformers.AttentionInterface.register(IMPL_NAME, fibattn_attention)
+    want = {n: p.grad for n, p in model.named_parameters()}
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-7, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    for i in range(len(model.model.layers)):    # the projections feeding the attention core all get a gradient
+        for proj in "qkv":
+            assert want[f"model.layers.{i}.self_attn.{proj}_proj.weight"].abs().max() > 1e-6
+    # and the sparse pattern matters: dense attention gives other gradients
+    model.zero_grad(set_to_none=True)
+    remove_fibattn(model)(x, labels=x).loss.backward()
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(dict(model.named_parameters())[q0].grad, want[q0], rtol=1e-3, atol=0)
 
 
 def test_bad_arguments():

@@ -60,14 +60,40 @@ def test_alphas_and_distances_follow_schedule():
 
 
 def test_learned_alphas_start_and_train():
+    torch.manual_seed(0)
     model = FibLM(small(schedule="learned", learned_init="linear", n_layers=4))
     assert model.alphas() == pytest.approx(layer_alphas("linear", 4), abs=1e-5)
-    idx = torch.randint(0, 64, (2, 32))
-    _, loss = model(idx, idx)
+    model.double()
+    with torch.no_grad():        # away from the bounds, and alpha * b away from integers (smooth in alpha)
+        for block, theta in zip(model.blocks, (-0.7, 0.2, 0.9, -0.3)):
+            block.attn.alphas.theta.fill_(theta)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def loss64():                 # the model's loss, in float64 (its own loss is float32)
+        return F.cross_entropy(model(idx).reshape(-1, 64), tgt.reshape(-1))
+    loss = loss64()
+    assert model(idx, tgt)[1].item() == pytest.approx(loss.item(), rel=1e-6)
     loss.backward()
-    grads = [b.attn.alphas.theta.grad for b in model.blocks]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert any(g.abs().item() > 0 for g in grads)
+    grads = torch.cat([b.attn.alphas.theta.grad for b in model.blocks])
+    h, fd = 1e-4, []          # RoPE rotates in float32: a step well above its rounding noise
+    with torch.no_grad():
+        for block in model.blocks:
+            theta = block.attn.alphas.theta
+            theta += h
+            up = loss64().item()
+            theta -= 2 * h
+            down = loss64().item()
+            theta += h
+            fd.append((up - down) / (2 * h))
+    fd = torch.tensor(fd, dtype=torch.float64)
+    assert fd.abs().min().item() > 1e-4                 # every layer's alpha matters to the loss
+    torch.testing.assert_close(grads, fd, rtol=1e-4, atol=1e-8)
+    # the training loss (float32 cross-entropy) gives the same gradient to float32 accuracy
+    model.zero_grad()
+    model(idx, tgt)[1].backward()
+    torch.testing.assert_close(torch.cat([b.attn.alphas.theta.grad for b in model.blocks]), fd,
+                               rtol=1e-2, atol=1e-6)
 
 
 def test_reach_train_vs_study_beyond_training_length():

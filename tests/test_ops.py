@@ -58,6 +58,24 @@ def test_interpolated_bf16_within_reference_error(backend):
     bf16_check(interp(6, "fib", backend), interp(6, "fib", "reference"), q, k, v, dout, torch.tensor(1.3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("T,Dh,H,Hkv", [(63, 32, 8, 1), (64, 64, 4, 4), (65, 128, 2, 1), (130, 64, 8, 2),
+                                        (1025, 32, 2, 2)])
+def test_cpu_kernels_at_production_shapes(T, Dh, H, Hkv, dtype):
+    """Head sizes of the tiny / paper models and beyond, rows across the kernels' 64-row tiles,
+    groups up to 8: both ops, outputs and gradients."""
+    q, k, v, dout = make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, dtype=dtype, seed=T + Dh)
+    exact = [x.double() for x in (q, k, v, dout)]         # the reference in fp64: the truth for fp32 too
+    tol = FP64 if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    dists = attended_distances(12, 1.5, "fib", T)
+    got = run(sparse(dists, "cpu"), q, k, v, dout)
+    close([g.double() for g in got], run(sparse(dists, "reference"), *exact), **tol)
+    got = run(interp(12, "fib", "cpu"), q, k, v, dout, torch.tensor(1.37, dtype=dtype))
+    want = run(interp(12, "fib", "reference"), *exact, torch.tensor(1.37, dtype=dtype).double())
+    close([g.double() for g in got[:4]], want[:4], **tol)
+    torch.testing.assert_close(got[4].double(), want[4], rtol=1e-4, atol=1e-4 * want[4].abs().item())
+
+
 # ----------------------------------------------------------------------------- interpolated op
 @pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("T", [1, 5, 97])

@@ -172,7 +172,7 @@ def test_kernels_compile_for_sm90_without_a_device():
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "scripts" / "triton_resources.py"
+    script = Path(__file__).resolve().parents[1] / "tools" / "triton_resources.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(script), "4x64"], capture_output=True, text=True, env=env, timeout=600)
     if res.returncode and "nvidia" in res.stderr and "No module" in res.stderr:

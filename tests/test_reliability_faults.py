@@ -60,40 +60,77 @@ def same_weights(a, b):
 
 
 # ------------------------------------------------------------------ kill -9 (subprocess)
-def _spawn(cfg_path, out):
-    code = ("import sys; from fibattn.cli import main; "
-            f"sys.exit(main(['train', '--config', {str(cfg_path)!r}, '--resume', 'auto']))")
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+# The child is ``fibattn train --config ... --resume auto`` with the checkpoint writer's steps
+# wrapped (in the child only; fibattn's code is unchanged): at one chosen moment of one
+# chosen checkpoint write it announces the moment in a marker file and waits there, so the
+# parent's SIGKILL lands inside that write however slow or loaded the machine is.
+_CHILD = r"""
+import os, sys, time
+from pathlib import Path
+from fibattn import checkpoint as ck
+from fibattn.cli import main
+
+cfg_path, target, phase, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+
+
+def after(fn_name, moment):
+    real = getattr(ck, fn_name)
+
+    def hooked(*args, **kwargs):
+        out = real(*args, **kwargs)
+        at, folder = moment(args, out)
+        if at == phase and Path(folder).name == f"step-{target}.tmp":
+            Path(str(marker) + ".part").write_text(at)
+            os.replace(str(marker) + ".part", marker)
+            time.sleep(600)                                  # killed here
+        return out
+    setattr(ck, fn_name, hooked)
+
+
+after("begin", lambda a, out: ("begin", out))                # the empty step-N.tmp folder exists
+after("write_tensors", lambda a, out: (a[1], a[0]))          # (folder, name, tensors): name "model"
+after("write_state", lambda a, out: (a[1], a[0]))            # name "optimizer"
+after("fsync_dir", lambda a, out: ("meta", a[0]))            # meta.json written, not yet renamed
+sys.exit(main(["train", "--config", cfg_path, "--resume", "auto"]))
+"""
+PHASES = ("meta", "model", "begin", "optimizer")
+# what step-N.tmp holds when the kill lands (beyond the rng/loader states written first)
+TMP_HAS = {"begin": set(), "model": {"model.safetensors"},
+           "optimizer": {"model.safetensors", "optimizer.json", "optimizer.safetensors"},
+           "meta": {"model.safetensors", "optimizer.json", "trainer.json", "config.json", ck.META}}
+TMP_LACKS = {"begin": {"model.safetensors"}, "model": {"optimizer.json"}, "optimizer": {ck.META},
+             "meta": set()}
+
+
+def _kill_inside_checkpoint(cfg_path, root: Path, target: int, phase: str, marker: Path, timeout=240.0):
+    """Run training until it is inside the ``phase`` moment of step ``target``'s checkpoint
+    write, look at the folder, SIGKILL it. Returns (announced moment, checkpoint folder
+    listing, step-N.tmp listing), both listings taken while the child was paused there."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(cfg_path), str(target), phase, str(marker)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _steps(names):
-    return [int(n[5:].split(".")[0]) for n in names if n.startswith("step-") and n[5:].split(".")[0].isdigit()]
-
-
-def _kill_during_checkpoint(proc, root: Path, rng, timeout=90.0) -> bool:
-    """SIGKILL ``proc`` right after the ``step-N.tmp`` folder of a randomly chosen later
-    checkpoint appears (or, if that moment is missed, at the next poll after it); True when
-    a ``.tmp`` folder existed at the kill."""
-    start = max(_steps(os.listdir(root)) if root.is_dir() else [], default=0)
-    target = start + rng.randint(1, 3)
     t0 = time.monotonic()
-    while proc.poll() is None and time.monotonic() - t0 < timeout:
-        names = os.listdir(root) if root.is_dir() else []
-        if max(_steps(names), default=0) >= target:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            return any(n.endswith(".tmp") for n in names)
-        time.sleep(0.0002)
-    proc.kill()
-    proc.wait()
-    return False
+    try:
+        while not marker.exists():
+            assert proc.poll() is None, f"training exited ({proc.returncode}) before step {target}'s checkpoint"
+            assert time.monotonic() - t0 < timeout, f"step {target}'s checkpoint write not reached in {timeout}s"
+            time.sleep(0.01)
+        names = set(os.listdir(root))
+        tmp_names = set(os.listdir(root / f"step-{target}.tmp"))
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return marker.read_text(), names, tmp_names
 
 
 @pytest.mark.parametrize("rounds", [1, pytest.param(5, marks=pytest.mark.slow)])
 def test_kill9_mid_checkpoint_then_resume_is_bit_exact(tmp_path, data_dir, rounds):
     """Each round starts ``fibattn train --resume auto`` in a subprocess (about 10 s of torch
-    import on a busy 2-core box) and SIGKILLs it while a checkpoint is being written."""
+    import on a busy 2-core box) and SIGKILLs it inside a checkpoint write: right after the
+    ``step-N.tmp`` folder is created, after the weights, after the optimizer state, or after
+    ``meta.json`` (a complete-looking ``.tmp`` folder not yet renamed). One round kills after
+    ``meta.json``; five rounds cover every moment and resume over a stale ``.tmp`` folder."""
     steps = 8 + 4 * rounds
     out = tmp_path / "killed"
     cfg = micro(out, data_dir, steps=steps, ckpt_every=1, keep_ckpts=2)
@@ -102,29 +139,36 @@ def test_kill9_mid_checkpoint_then_resume_is_bit_exact(tmp_path, data_dir, round
     C.save(cfg, cfg_path)
     rng = random.Random(1234 + rounds)
     root = out / "checkpoints"
-    kills, hits, resumed_from = 0, 0, []
-    for _ in range(rounds):
-        proc = _spawn(cfg_path, out)
-        hits += _kill_during_checkpoint(proc, root, rng)
-        assert proc.returncode == -signal.SIGKILL
-        kills += 1
+    start, inside, resumed_from = 0, [], []
+    for r in range(rounds):
+        target = min(start + rng.randint(2, 4), steps - 1)
+        phase = PHASES[r % len(PHASES)]
+        at, names, tmp_names = _kill_inside_checkpoint(cfg_path, root, target, phase, tmp_path / f"paused-{r}")
+        # where the kill landed: inside step `target`'s write, at the chosen moment
+        assert at == phase
+        assert f"step-{target}.tmp" in names and f"step-{target}" not in names and f"step-{target - 1}" in names
+        assert TMP_HAS[phase] <= tmp_names and not TMP_LACKS[phase] & tmp_names
+        inside.append((target, phase))
+        # no cleanup ran: the partial folder is still there, and is never taken for a checkpoint
+        assert (root / f"step-{target}.tmp").is_dir() and not (root / f"step-{target}").exists()
         newest = ck.latest_valid(root)
-        if newest is None:
-            continue
+        assert newest == root / f"step-{target - 1}"
         model, got_cfg, tok = load_run(out)                  # the previous checkpoint still loads
         assert got_cfg.train.steps == steps and tok is not None
         resumed_from.append(ck.Checkpoint.open(newest).step)
-        if resumed_from[-1] >= steps - 2:
+        start = resumed_from[-1]
+        if start >= steps - 2:
             break
-    assert kills >= 1 and resumed_from, "no checkpoint survived: the kill came too early every time"
+    assert len(inside) == len(resumed_from) >= 1
     # --resume auto picks the newest complete checkpoint (stale .tmp folders are ignored) and finishes
     res = train(cfg, resume="auto")
     assert res.status == "finished" and res.step == steps
     assert res.losses and res.losses[0][0] == resumed_from[-1] + 1
+    assert not list(root.glob("*.tmp"))                      # the stale folder was replaced by a good save
     clean = train(micro(tmp_path / "clean", data_dir, steps=steps, ckpt_every=1000))
     assert same_weights(final_weights(out, steps), final_weights(tmp_path / "clean", steps))
     assert [v for _, v in res.losses] == [v for _, v in clean.losses[resumed_from[-1]:]]
-    print(f"kill -9: {kills} kills, {hits} inside a checkpoint write, resumed from steps {resumed_from}")
+    print(f"kill -9 inside checkpoint writes (step, moment): {inside}; resumed from steps {resumed_from}")
 
 
 # ------------------------------------------------------------------ corrupted files

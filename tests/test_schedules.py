@@ -126,9 +126,25 @@ def test_learned_stays_inside_its_bounds():
 
 
 def test_learned_gradient_reaches_theta():
-    la = LearnedAlphas(3)
-    la().sum().backward()
-    assert la.theta.grad is not None and torch.all(la.theta.grad > 0)
+    """d alpha / d theta = (a_max - a_min) * sigmoid(theta) * (1 - sigmoid(theta)), per layer."""
+    la = LearnedAlphas(4, a_min=0.25, a_max=2.0)
+    thetas = [-2.0, -0.3, 0.0, 1.7]
+    with torch.no_grad():
+        la.theta.copy_(torch.tensor(thetas))
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    (la() * weights).sum().backward()
+    sig = [1 / (1 + math.exp(-t)) for t in thetas]
+    want = torch.tensor([w * 1.75 * s * (1 - s) for w, s in zip(weights.tolist(), sig)])
+    torch.testing.assert_close(la.theta.grad, want)
+    # alpha(layer) is the same function of theta[layer], with the same derivative
+    for i, s in enumerate(sig):
+        la.zero_grad()
+        a = la.alpha(i)
+        assert a.item() == pytest.approx(0.25 + 1.75 * s)
+        a.backward()
+        grad = la.theta.grad
+        torch.testing.assert_close(grad[i], torch.tensor(1.75 * s * (1 - s)))
+        assert torch.count_nonzero(grad).item() == 1
 
 
 # ----------------------------------------------------------------------------- bad input

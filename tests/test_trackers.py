@@ -1,7 +1,38 @@
-"""Experiment trackers: ``train.tensorboard=true`` writes event files, ``train.wandb=true`` an offline run."""
+"""Experiment trackers: ``train.tensorboard=true`` writes event files, ``train.wandb=true`` an offline run.
+
+The real packages are used where installed; the calls fibattn makes are also checked against
+stand-in modules, and a missing package is simulated, so every branch runs in any environment.
+"""
+import sys
+import types
+
 import pytest
 
+from fibattn.config import ConfigError
 from fibattn.trainer.logs import MetricSinks, wandb_run_id
+
+
+def hide_package(monkeypatch, name, *dependents):
+    """Make ``import name`` fail as if it were not installed (``sys.modules[name] = None``);
+    cached ``dependents`` (modules importing it, e.g. ``torch.utils.tensorboard``) are dropped
+    so that their import runs again and fails the same way. Undone after the test."""
+    for mod in list(sys.modules):
+        if any(mod == d or mod.startswith(d + ".") for d in dependents):
+            monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, name, None)
+
+
+class Recorder:
+    """Records every call made on it (and on what its calls return) as ``(name, args, kwargs)``."""
+
+    def __init__(self, calls, prefix=""):
+        self._calls, self._prefix = calls, prefix
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self._calls.append((self._prefix + name, args, kwargs))
+            return Recorder(self._calls, self._prefix + name + ".")
+        return call
 
 
 def _scalars(folder):
@@ -35,6 +66,53 @@ def test_wandb_offline_run_folder(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and runs[0].name.endswith("-wb-run")
     assert list(runs[0].glob("run-*.wandb"))
+
+
+def test_tensorboard_calls_with_a_stand_in_writer(tmp_path, monkeypatch):
+    """What MetricSinks asks of SummaryWriter, whether or not tensorboard is installed."""
+    calls = []
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = lambda **kw: calls.append(("SummaryWriter", (), kw)) or Recorder(calls)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    sinks = MetricSinks(tmp_path, "tb-run", None, tensorboard=True)
+    sinks.log(3, {"loss": 2.5, "lr": 1e-3}, alphas=[0.5, 1.5])
+    sinks.log(4, {"loss": 2.25})
+    sinks.close("finished")
+    assert calls == [
+        ("SummaryWriter", (), {"log_dir": str(tmp_path / "tensorboard")}),
+        ("add_scalar", ("loss", 2.5, 3), {}), ("add_scalar", ("lr", 1e-3, 3), {}),
+        ("add_scalar", ("alpha/layer0", 0.5, 3), {}), ("add_scalar", ("alpha/layer1", 1.5, 3), {}),
+        ("add_scalar", ("loss", 2.25, 4), {}),
+        ("close", (), {})]
+
+
+@pytest.mark.parametrize("status, code", [("finished", 0), ("stopped", 0), ("failed", 1)])
+def test_wandb_calls_with_a_stand_in_module(tmp_path, monkeypatch, status, code):
+    """What MetricSinks asks of wandb, whether or not wandb is installed."""
+    calls = []
+    monkeypatch.setitem(sys.modules, "wandb", Recorder(calls, "wandb."))
+    sinks = MetricSinks(tmp_path, "grid/w8:fib", None, wandb=True, wandb_project="proj", config={"a": 1})
+    sinks.log(7, {"loss": 3.0}, alphas=[1.0, 1.25])
+    sinks.log(8, {"loss": 2.0})
+    sinks.close(status)
+    assert calls == [
+        ("wandb.init", (), {"project": "proj", "name": "grid/w8:fib", "config": {"a": 1}, "dir": str(tmp_path),
+                            "resume": "allow", "id": "grid-w8-fib"}),
+        ("wandb.init.log", ({"loss": 3.0, "alpha/layer0": 1.0, "alpha/layer1": 1.25},), {"step": 7}),
+        ("wandb.init.log", ({"loss": 2.0},), {"step": 8}),
+        ("wandb.init.finish", (), {"exit_code": code})]
+
+
+@pytest.mark.parametrize("package, kw, dependents", [
+    ("tensorboard", {"tensorboard": True}, ("torch.utils.tensorboard",)),
+    ("wandb", {"wandb": True}, ())])
+def test_missing_tracker_package_is_a_config_error(tmp_path, monkeypatch, package, kw, dependents):
+    hide_package(monkeypatch, package, *dependents)
+    with pytest.raises(ConfigError, match=rf"train.{package}=true needs the {package} package \(pip install "
+                                          rf"{package}, or the \[track\] extra\)"):
+        MetricSinks(tmp_path, "r", None, **kw)
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "wandb").exists()
+    MetricSinks(tmp_path, "r", None).close("finished")       # no tracker asked for: no import needed
 
 
 def test_wandb_run_id():

@@ -103,6 +103,43 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, data_dir):
     ck.verify(out / "checkpoints" / "step-2")
 
 
+def test_grad_clip_rescales_the_gradient_adamw_steps_with(tmp_path, data_dir):
+    """train.grad_clip: the accumulated gradient is scaled to that global norm before the
+    optimiser step (torch's clip_grad_norm_: ``g * clip / (norm + 1e-6)``) when its norm is
+    larger; 0 turns clipping off. The logged grad_norm is the norm before clipping."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    seen = {}
+    clip_now = []
+
+    def record(opt, args, kwargs):          # the gradients the AdamW step is about to use
+        seen.setdefault(clip_now[-1], []).append(
+            [p.grad.detach().double().clone() for g in opt.param_groups for p in g["params"]])
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        for clip in (0.0, 1e-3, 1e6):
+            clip_now.append(clip)
+            res = train(micro_cfg(tmp_path / f"clip-{clip}", data_dir, steps=1, warmup_steps=1, grad_clip=clip,
+                                  eval_tokens=32, results_db="off"))
+            assert res.step == 1 and res.skipped_steps == 0
+    finally:
+        handle.remove()
+    assert all(len(steps) == 1 for steps in seen.values()) and len(seen) == 3
+    raw, clipped, loose = (seen[c][0] for c in (0.0, 1e-3, 1e6))
+
+    def norm(grads):
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    n = norm(raw)
+    assert n > 0.05                                     # far above the clip: clipping must act
+    assert norm(clipped) == pytest.approx(1e-3, rel=1e-4)
+    coef = 1e-3 / (n + 1e-6)
+    for a, b in zip(raw, clipped):                      # same direction, every tensor scaled alike
+        torch.testing.assert_close(b, a * coef, rtol=1e-5, atol=1e-12)
+    assert all(torch.equal(a, b) for a, b in zip(raw, loose))      # a clip above the norm changes nothing
+    recs = [json.loads(line) for line in (tmp_path / "clip-0.001" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["grad_norm"] for r in recs if "grad_norm" in r]
+    assert logged == [pytest.approx(n, rel=1e-5)]
+
+
 def test_learned_alphas_are_logged(tmp_path, data_dir):
     cfg = micro_cfg(tmp_path / "runs" / "learned", data_dir, steps=3)
     cfg.model.schedule = "learned"
@@ -192,22 +229,24 @@ def test_sigterm_stops_with_checkpoint(tmp_path, data_dir):
     assert train(micro_cfg(tmp_path / "t", data_dir)).status == "finished"
 
 
-def test_bench_train_smoke(capsys):
-    from fibattn.bench import train as bt
-    rows = bt.bench([64], steps=1, tokens=128)
-    assert rows[0]["length"] == 64 and rows[0]["batch"] == 2 and rows[0]["ratio"] > 0
-    with pytest.raises(ConfigError, match="--lengths"):
-        bt._ints("1024,x", "--lengths")
-
-
 @pytest.mark.parametrize("kw, package", [({"tensorboard": True}, "tensorboard"), ({"wandb": True}, "wandb")])
-def test_trackers_need_their_package(tmp_path, kw, package):
-    import importlib.util
+def test_trackers_need_their_package(tmp_path, data_dir, monkeypatch, kw, package):
+    """The package's absence is simulated (``sys.modules[name] = None``, and torch's cached
+    tensorboard bridge dropped so that it is imported again), installed or not."""
+    import sys
     from fibattn.trainer.logs import MetricSinks
-    if importlib.util.find_spec(package) is not None:
-        pytest.skip(f"{package} is installed")
+    for mod in list(sys.modules):
+        if mod == "torch.utils.tensorboard" or mod.startswith("torch.utils.tensorboard."):
+            monkeypatch.delitem(sys.modules, mod)
+    monkeypatch.setitem(sys.modules, package, None)
     with pytest.raises(ConfigError, match=f"train.{package}=true needs the {package} package"):
         MetricSinks(tmp_path, "r", None, **kw)
+    # through train(): refused before the first step, with nothing logged
+    steps = []
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=f"train.{package}=true needs the {package} package"):
+        train(micro_cfg(out, data_dir, results_db="off", **kw), loss_hook=lambda step, loss: steps.append(step) or loss)
+    assert steps == [] and not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
 
 @pytest.mark.slow

@@ -3,7 +3,14 @@
 Paths, all on ``q (B, H, T, Dh)``, ``k, v (B, Hkv, T, Dh)``. Defaults: on CPU B=1, H=Hkv=8,
 Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting).
 
-- ``dense``: causal ``scaled_dot_product_attention`` (the baseline; FlashAttention on CUDA);
+- ``dense``: causal ``scaled_dot_product_attention`` (the baseline). Its SDPA backend is
+  chosen per length by running one warm-up step under
+  ``torch.nn.attention.sdpa_kernel([backend])`` for each backend in torch's priority order
+  (on this torch: flash, efficient, then math; cudnn is tried before math, the unfused
+  reference) and keeping the first that runs on these inputs; the timed steps and the memory
+  measurement then run under that backend explicitly, so the label (``sdpa-flash``,
+  ``sdpa-efficient``, ``sdpa-cudnn``, ``sdpa-math`` on CUDA; ``sdpa-cpu-flash`` or
+  ``sdpa-cpu-math`` on CPU) is what ran;
 - ``mask``: SDPA with the boolean T×T mask of the distance set (the study's static path;
   skipped, with the reason printed, when its estimated memory exceeds ``--mask-budget-gb``:
   about 17 bytes per mask entry on CPU with torch 2.13, the bool mask plus the float
@@ -34,10 +41,12 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fibattn
 from ..ops import resolve_backend
@@ -109,8 +118,50 @@ def mask_bytes(T: int) -> int:
     return MASK_BYTES_PER_ENTRY * T * T
 
 
-def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool = True):
-    """A closure running one forward+backward (or forward) of ``path`` (on ``inputs`` or fresh ones)."""
+SDPA_NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient",
+              SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.MATH: "math"}
+SDPA_BY_NAME = {name: b for b, name in SDPA_NAMES.items()}
+
+
+def sdpa_order() -> list[str]:
+    """SDPA backends to try for the dense path: torch's own priority order (flash, efficient, ...)
+    restricted to the four named ones, with math (the unfused reference) last."""
+    try:
+        order = [SDPBackend(int(i)) for i in torch._C._get_sdp_priority_order()]
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    names = [SDPA_NAMES[b] for b in order if b in SDPA_NAMES and b != SDPBackend.MATH]
+    names += [n for n in ("flash", "efficient", "cudnn") if n not in names]
+    return names + ["math"]
+
+
+def sdpa_label(name: str, device: str) -> str:
+    """The backend column for the dense path: ``sdpa-flash`` on CUDA, ``sdpa-cpu-flash`` on CPU."""
+    return f"sdpa-{name}" if device.startswith("cuda") else f"sdpa-{device.split(':')[0]}-{name}"
+
+
+def pick_sdpa(step_under) -> str:
+    """Run ``step_under(name)`` for each backend of :func:`sdpa_order` and return the first name
+    that runs (that call doubles as the warm-up). ``RuntimeError`` (no kernel for these inputs,
+    or out of memory) moves on to the next; if none runs, a RuntimeError naming each failure."""
+    errors = []
+    for name in sdpa_order():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")           # "Flash attention kernel not used because ..."
+                step_under(name)
+            return name
+        except (RuntimeError, NotImplementedError) as exc:
+            errors.append((name, exc))
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    tried = "; ".join(f"{n}: {str(e).splitlines()[0][:200]}" for n, e in errors)
+    raise RuntimeError(f"dense SDPA: no backend runs these inputs ({tried})") from errors[0][1]
+
+
+def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool = True, sdpa: str | None = None):
+    """A closure running one forward+backward (or forward) of ``path`` (on ``inputs`` or fresh ones).
+    ``sdpa`` (dense path only): run SDPA under that backend alone (flash, efficient, cudnn, math)."""
     (q, k, v), dout = inputs or _inputs(cfg, T)
     gqa = cfg.kv_heads != cfg.heads
     if path == "dense":
@@ -142,13 +193,21 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool =
     else:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
 
-    def step():
+    def run():
         if not backward:
             with torch.no_grad():
                 return fwd()
         for x in (q, k, v):
             x.grad = None
         fwd().backward(dout)
+
+    if path != "dense" or sdpa is None:
+        return run
+    backend = SDPA_BY_NAME[sdpa]
+
+    def step():
+        with sdpa_kernel([backend]):
+            return run()
     return step
 
 
@@ -226,34 +285,34 @@ def _reset_peak() -> None:
         pass        # ru_maxrss then includes earlier peaks: an over-estimate, never an under-estimate
 
 
-def measure_in_process(cfg: BenchConfig, path: str, T: int) -> dict:
+def measure_in_process(cfg: BenchConfig, path: str, T: int, sdpa: str | None = None) -> dict:
     """One forward+backward of ``path``: peak extra memory (MB) and its time.
 
     A forward+backward at a tiny length runs first so that one-time costs (kernel loading,
     thread pools, autograd start-up) are not counted as memory of the measured step.
     """
-    make_step(cfg, path, min(T, 32))()
+    make_step(cfg, path, min(T, 32), sdpa=sdpa)()
     inputs = _inputs(cfg, T)
     if cfg.on_cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        make_step(cfg, path, T, inputs)()
+        make_step(cfg, path, T, inputs, sdpa=sdpa)()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
         return {"peak_extra_mb": (torch.cuda.max_memory_allocated() - base) / 2 ** 20, "ms": ms}
     base = _rss_mb()
     _reset_peak()
     t0 = time.perf_counter()
-    make_step(cfg, path, T, inputs)()     # the mask path's T×T mask is built in here: it counts
+    make_step(cfg, path, T, inputs, sdpa=sdpa)()     # the mask path's T×T mask is built in here: it counts
     ms = (time.perf_counter() - t0) * 1e3
     return {"peak_extra_mb": max(_peak_mb() - base, 0.0), "ms": ms}
 
 
-def measure_in_subprocess(cfg: BenchConfig, path: str, T: int) -> dict:
+def measure_in_subprocess(cfg: BenchConfig, path: str, T: int, sdpa: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "fibattn.bench.attention", json.dumps(asdict(cfg)), path, str(T),
-           str(torch.get_num_threads())]
+           str(torch.get_num_threads())] + ([sdpa] if sdpa else [])
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"memory worker for {path} at T={T} failed: {res.stderr.strip()[-500:]}")
@@ -274,20 +333,29 @@ def bench_length(cfg: BenchConfig, T: int, backward: bool = True) -> list[Record
     mode = "fwd+bwd" if backward else "fwd"
     recs = {p: Record(T, p, backend_name(cfg, p), skipped=_skip_reason(cfg, p, T), mode=mode) for p in cfg.paths}
     live = [p for p in cfg.paths if recs[p].skipped is None]
-    steps = {p: make_step(cfg, p, T, backward=backward) for p in live}
+    sdpa, inputs = None, None
+    if "dense" in live:             # the first SDPA backend that runs these inputs, then always that one
+        inputs = _inputs(cfg, T)
+        sdpa = pick_sdpa(lambda name: make_step(cfg, "dense", T, inputs, backward, sdpa=name)())
+        recs["dense"].backend = sdpa_label(sdpa, cfg.device)
+    steps = {p: make_step(cfg, p, T, inputs if p == "dense" else None, backward=backward,
+                          sdpa=sdpa if p == "dense" else None) for p in live}
     times: dict[str, list[float]] = {p: [] for p in live}
     for p in live:
-        steps[p]()                                    # warm-up (and kernel compilation)
+        if p != "dense":                              # dense ran its warm-up while its backend was picked
+            steps[p]()                                # warm-up (and kernel compilation)
     for _ in range(cfg.repeats):
         for p in live:
             times[p].append(_timed(steps[p], cfg.on_cuda))
     del steps
+    inputs = None
     for p in live:
         recs[p].ms = statistics.median(times[p])
         if cfg.on_cuda and p in ("integer", "interpolated"):
             recs[p].gb_s = traffic_bytes(cfg, T, backward) / (recs[p].ms / 1e3) / 1e9
         if cfg.memory and backward:
-            mem = measure_in_process(cfg, p, T) if cfg.on_cuda else measure_in_subprocess(cfg, p, T)
+            extra = sdpa if p == "dense" else None
+            mem = measure_in_process(cfg, p, T, extra) if cfg.on_cuda else measure_in_subprocess(cfg, p, T, extra)
             recs[p].peak_extra_mb = mem["peak_extra_mb"]
     return [recs[p] for p in cfg.paths]
 
@@ -297,9 +365,10 @@ def _fmt(x, spec: str) -> str:
 
 
 def table(records: list[Record], copy_rate: float | None = None) -> str:
-    lines = [f"{'T':>7} {'mode':<8} {'path':<13} {'backend':<8} {'ms':>10} {'peak extra MB':>14} {'GB/s':>7}  note"]
+    w = max([8] + [len(r.backend) for r in records])
+    lines = [f"{'T':>7} {'mode':<8} {'path':<13} {'backend':<{w}} {'ms':>10} {'peak extra MB':>14} {'GB/s':>7}  note"]
     for r in records:
-        lines.append(f"{r.T:>7} {r.mode:<8} {r.path:<13} {r.backend:<8} {_fmt(r.ms, '10.3f')} "
+        lines.append(f"{r.T:>7} {r.mode:<8} {r.path:<13} {r.backend:<{w}} {_fmt(r.ms, '10.3f')} "
                      f"{_fmt(r.peak_extra_mb, '14.1f')} {_fmt(r.gb_s, '7.0f')}  {r.skipped or ''}")
     lines.append("")
     for T, mode in sorted({(r.T, r.mode) for r in records}):
@@ -428,11 +497,11 @@ def run(args) -> int:
 
 
 def _worker(argv: list[str]) -> None:
-    """``python -m fibattn.bench.attention CONFIG_JSON PATH T THREADS``: one measurement, one JSON line."""
-    cfg_json, path, T, threads = argv
+    """``python -m fibattn.bench.attention CONFIG_JSON PATH T THREADS [SDPA]``: one measurement, one JSON line."""
+    cfg_json, path, T, threads, *sdpa = argv
     torch.set_num_threads(int(threads))
     cfg = BenchConfig(**json.loads(cfg_json))
-    print(json.dumps(measure_in_process(cfg, path, int(T))))
+    print(json.dumps(measure_in_process(cfg, path, int(T), sdpa[0] if sdpa else None)))
 
 
 if __name__ == "__main__":

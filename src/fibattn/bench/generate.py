@@ -7,13 +7,21 @@ two rows). Shapes: the ``tiny`` and ``paper`` presets.
 
 - Decode: a :class:`fibattn.generate.DecodeSession` per (variant, context) is put at
   position ``context - 1`` with *random* cached keys/values (no prefill is run: a dense
-  64K prefill would take too long on a CPU), then ``--steps`` tokens are timed per block;
-  blocks run interleaved (rep → context → variant) so all numbers are side by side, with
-  ``--decode-threads`` threads (default 1). Reported: the best block's time per token
-  (load from other processes only adds time) and the cache bytes.
-- Prefill: one timed prompt of each ``--prefill`` length, total and inside the attention
-  core. For models deeper than 4 layers only ``--prefill-layers`` blocks (default 1, the
-  middle one) run and times are scaled by ``n_layers / K`` (blocks cost the same).
+  64K prefill would take too long on a CPU), then ``--steps`` tokens are timed per block
+  (after one untimed token, which wakes the thread pool after a thread-count change);
+  blocks run interleaved (rep → context → variant → thread count) so all numbers are side
+  by side. On a CPU every block is run at each of the ``--decode-threads`` candidates
+  (default ``1,0``: one thread and ``--threads``/torch's default), and each (variant,
+  context) is reported at its own fastest thread count (one token is many tiny ops: one
+  thread suits the small sparse step, a long dense context can use more); on CUDA the
+  thread count does not matter and is not searched. Reported: the best block's time per
+  token (load from other processes only adds time), the thread count it ran with, and
+  the cache bytes.
+- Prefill: each ``--prefill`` length is timed ``--prefill-reps`` times (default 3; the
+  runs interleaved across variants) with ``--threads`` threads, and the median is
+  reported, total and inside the attention core. For models deeper than 4 layers only
+  ``--prefill-layers`` blocks (default 1, the middle one) run and times are scaled by
+  ``n_layers / K`` (blocks cost the same).
 
 Goals on a CPU: sparse decode at the longest context within 1.2× of the shortest, with
 the same cache size once the distance set is complete; learned ≤ 1.5× static; sparse
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import time
 import types
 
@@ -64,9 +73,12 @@ def configure_parser(parser) -> None:
     parser.add_argument("--prefill-layers", type=int, default=1,
                         help="blocks run for prefill when a model has more than 4 (default 1: the middle one)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads for prefill (0: torch default)")
-    parser.add_argument("--decode-threads", type=int, default=1,
-                        help="torch CPU threads while decoding (default 1: one token is many tiny ops, and "
-                             "OpenMP wake-ups dominate them on a shared CPU; 0: as --threads)")
+    parser.add_argument("--decode-threads", default="1,0",
+                        help="candidate torch CPU thread counts while decoding, comma-separated; each variant "
+                             "and context is reported at its fastest (default 1,0: one thread and --threads; "
+                             "0 means --threads / torch's default; not searched on CUDA)")
+    parser.add_argument("--prefill-reps", type=int, default=3,
+                        help="timed runs per prefill length and variant, the median is reported (default 3)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (default cpu)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="weights and caches (default float32 on CPU, bfloat16 on CUDA)")
@@ -96,41 +108,71 @@ def build(shape: str, variant: str, device="cpu", dtype=torch.float32) -> FibLM:
 
 
 # ----------------------------------------------------------------------------- measuring
+def thread_candidates(spec, device="cpu") -> list[int]:
+    """The decode thread counts to try: ``spec`` (``"1,0"``, a list or an int; 0 = the current
+    count, i.e. ``--threads`` or torch's default), deduplicated; on CUDA only the current count."""
+    now = torch.get_num_threads()
+    if torch.device(device).type == "cuda":
+        return [now]
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--decode-threads must be a comma-separated list of integers >= 0, "
+                              f"got {spec!r}") from None
+    elif isinstance(spec, int):
+        spec = [spec]
+    if not spec or any(t < 0 for t in spec):
+        raise ConfigError(f"--decode-threads must be a comma-separated list of integers >= 0, got {spec!r}")
+    return sorted({t or now for t in spec})
+
+
 @torch.no_grad()
-def decode_latency(models: dict, contexts: list[int], steps: int, reps: int, threads: int = 0) -> dict:
-    """``{(variant, context): (median ms per token, cache bytes)}``, interleaved."""
+def decode_latency(models: dict, contexts: list[int], steps: int, reps: int, threads=0) -> dict:
+    """``{(variant, context): (best ms per token, cache bytes, threads)}``, interleaved; each block
+    runs at every candidate in ``threads`` (see :func:`thread_candidates`) and each
+    (variant, context) keeps its fastest."""
     before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
+    device = next(iter(models.values())).embed.weight.device
+    candidates = thread_candidates(threads, device)
     try:
-        return _decode_latency(models, contexts, steps, reps)
+        return _decode_latency(models, contexts, steps, reps, candidates)
     finally:
         torch.set_num_threads(before)
 
 
-def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int) -> dict:
+def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, candidates: list[int]) -> dict:
     gen = torch.Generator().manual_seed(0)
     sessions = {}
+    per_block = steps + 1                            # one untimed token per block
     for name, model in models.items():
         for ctx in contexts:
-            s = DecodeSession(model, 1, ctx + (reps + 1) * steps + 2)
+            s = DecodeSession(model, 1, ctx + (reps + 1) * len(candidates) * per_block + 2)
             s.random_history(ctx, gen)
             sessions[name, ctx] = s
     token = torch.zeros(1, dtype=torch.long)
-    times: dict = {key: [] for key in sessions}
+    times: dict = {(key, th): [] for key in sessions for th in candidates}
     for rep in range(reps + 1):                   # rep 0 warms up
         for ctx in contexts:
             for name in models:
                 s = sessions[name, ctx]
-                _sync(s.device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    s.step(token)
-                _sync(s.device)
-                if rep:
-                    times[name, ctx].append((time.perf_counter() - t0) / steps * 1e3)
+                for th in candidates:
+                    if torch.get_num_threads() != th:
+                        torch.set_num_threads(th)
+                    s.step(token)                 # untimed: the pool wakes up at this count
+                    _sync(s.device)
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        s.step(token)
+                    _sync(s.device)
+                    if rep:
+                        times[(name, ctx), th].append((time.perf_counter() - t0) / steps * 1e3)
     # the best block: other processes sharing the CPU only ever add time
-    return {key: (min(v), sessions[key].cache_bytes) for key, v in times.items()}
+    out = {}
+    for key, s in sessions.items():
+        ms, th = min((min(times[key, th]), th) for th in candidates)
+        out[key] = (ms, s.cache_bytes, th)
+    return out
 
 
 def full_set_context(model: FibLM) -> int:
@@ -178,17 +220,26 @@ def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill:
     models = {v: build(shape, v, args.device, DTYPES[args.dtype]) for v in variants}
     lat = decode_latency(models, contexts, args.steps, args.reps, args.decode_threads)
     records = {}
-    for (v, ctx), (ms, nbytes) in lat.items():
-        records[v, ctx] = dict(shape=shape, variant=v, context=ctx, decode_ms=ms, cache_bytes=nbytes)
+    for (v, ctx), (ms, nbytes, th) in lat.items():
+        records[v, ctx] = dict(shape=shape, variant=v, context=ctx, decode_ms=ms, cache_bytes=nbytes,
+                               decode_threads=th)
         if v != "dense":        # from this context on the distance sets (and rings) stop growing
             records[v, ctx]["full_set_context"] = full_set_context(models[v])
+    reps = getattr(args, "prefill_reps", 3)
     for v in variants:                 # warm-up: kernel build / load, RoPE tables
         prefill_time(models[v], 64, args.prefill_layers)
-    for length in prefill:
-        for v in variants:
-            sec, core, ran = prefill_time(models[v], length, args.prefill_layers)
-            rec = records.setdefault((v, length), dict(shape=shape, variant=v, context=length))
-            rec.update(prefill_s=sec, prefill_attn_s=core, prefill_layers_run=ran, n_layers=models[v].cfg.n_layers)
+    runs: dict = {(v, length): [] for length in prefill for v in variants}
+    for _ in range(reps):              # interleaved: load from other processes hits every variant alike
+        for length in prefill:
+            for v in variants:
+                runs[v, length].append(prefill_time(models[v], length, args.prefill_layers))
+    for (v, length), got in runs.items():
+        rec = records.setdefault((v, length), dict(shape=shape, variant=v, context=length))
+        totals = [sec for sec, _, _ in got]
+        rec.update(prefill_s=statistics.median(totals), prefill_attn_s=statistics.median(c for _, c, _ in got),
+                   prefill_s_min=min(totals), prefill_s_max=max(totals), prefill_reps=len(got),
+                   prefill_threads=torch.get_num_threads(), prefill_layers_run=got[0][2],
+                   n_layers=models[v].cfg.n_layers)
     return sorted(records.values(), key=lambda r: (VARIANTS.index(r["variant"]), r["context"]))
 
 
@@ -233,22 +284,30 @@ def _goal(key: str, value) -> str:
     return ""
 
 
-def format_table(records: list[dict], rat: dict) -> str:
-    head = (f"{'shape':<6} {'variant':<8} {'context':>8} {'decode ms/tok':>14} {'cache MiB':>10} {'prefill s':>10} "
-            f"{'(attn s)':>9}")
+def format_table(records: list[dict], rat: dict, candidates: list[int] | None = None) -> str:
+    head = (f"{'shape':<6} {'variant':<8} {'context':>8} {'decode ms/tok':>14} {'threads':>7} {'cache MiB':>10} "
+            f"{'prefill s':>10} {'(attn s)':>9}")
     lines = [head, "-" * len(head)]
     for r in records:
         ms = f"{r['decode_ms']:.2f}" if "decode_ms" in r else "-"
+        thr = str(r["decode_threads"]) if "decode_threads" in r else "-"
         mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
         pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
         core = f"{r['prefill_attn_s']:.2f}" if "prefill_attn_s" in r else "-"
         if "prefill_s" in r and r["prefill_layers_run"] < r["n_layers"]:
             pre += "*"
-        lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {mib:>10} {pre:>10} {core:>9}")
+        lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {thr:>7} {mib:>10} {pre:>10} "
+                     f"{core:>9}")
     if any(r.get("prefill_layers_run", 0) < r.get("n_layers", 0) for r in records):
         lines.append("* prefill timed on a subset of the blocks and scaled to the full depth")
     lines.append("decode: best of the interleaved blocks, random cached keys/values at position context-1 "
-                 "(no prefill run); (attn s): prefill time inside the attention core")
+                 "(no prefill run); threads: the CPU thread count of that best block")
+    if candidates:
+        lines.append(f"decode thread counts tried per variant and context: {', '.join(map(str, candidates))}")
+    pre = [r for r in records if "prefill_s" in r]
+    if pre:
+        lines.append(f"prefill: median of {pre[0]['prefill_reps']} interleaved runs, {pre[0]['prefill_threads']} "
+                     f"threads; (attn s): the part inside the attention core")
     full = sorted({r["full_set_context"] for r in records if "full_set_context" in r})
     if full:
         lines.append(f"sparse rings reach their final size at context {'/'.join(map(str, full))} "
@@ -266,9 +325,8 @@ def run(args) -> int:
     prefill = _list(args.prefill, "--prefill")
     shapes = _list(args.shapes, "--shapes", str, ("tiny", "paper"))
     variants = [v for v in VARIANTS if v in _list(args.variants, "--variants", str, VARIANTS)]
-    if args.decode_threads < 0:
-        raise ConfigError(f"--decode-threads must be an integer >= 0, got {args.decode_threads}")
-    for name in ("steps", "reps", "prefill_layers"):
+    thread_candidates(args.decode_threads, "cpu")            # checks the list before any work
+    for name in ("steps", "reps", "prefill_layers", "prefill_reps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
     if args.threads < 0:
@@ -280,6 +338,7 @@ def run(args) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.decode_threads = candidates = thread_candidates(args.decode_threads, args.device)
     records = []
     for shape in shapes:
         records += measure_shape(shape, variants, sorted(contexts), sorted(prefill), args)
@@ -287,9 +346,10 @@ def run(args) -> int:
     if args.json:
         settings = dict(contexts=contexts, prefill=prefill, shapes=shapes, variants=variants, steps=args.steps,
                         reps=args.reps, prefill_layers=args.prefill_layers, threads=torch.get_num_threads(),
-                        decode_threads=args.decode_threads, device=args.device, dtype=args.dtype,
+                        decode_thread_candidates=candidates, decode_thread_search=len(candidates) > 1,
+                        prefill_reps=args.prefill_reps, device=args.device, dtype=args.dtype,
                         decode_cache="random keys/values at position context-1")
         print(json.dumps(dict(settings=settings, results=records, ratios=rat), indent=2))
     else:
-        print(format_table(records, rat))
+        print(format_table(records, rat, candidates))
     return 0

@@ -4,16 +4,25 @@ Both variants share the preset's shape (default ``tiny``); sparse is fib base, l
 schedule (``--schedule learned`` for a learned alpha), W=12 (``--window``). Each step is
 forward + backward + AdamW on random tokens, ``--tokens`` tokens per step (batch =
 tokens // T; default 8192 on CPU, 32768 on CUDA, the study's step), bf16 autocast on
-CUDA. After one warm-up step, ``--steps`` steps are timed; the table shows tokens/s and
-sparse / dense. ``--compile`` also times both models under ``torch.compile(fullgraph=True)``
-(warm-up includes the compilation) and prints compiled / eager.
+CUDA. ``--compile`` adds both models under ``torch.compile(fullgraph=True)``.
+
+For each length every variant's model is built first (all live at once), each is warmed
+up (one step; two for a compiled model, whose first steps compile the forward and the
+backward graphs), then ``--steps`` (>= 5) timed steps per variant run *interleaved*,
+round-robin (dense, sparse[, dense compiled, sparse compiled], dense, sparse, ...), so
+load from other processes hits all variants alike; on CUDA each timed step is synchronised
+before and after. Reported per variant: the median tokens/s over its timed steps and the
+spread (min–max of the per-step tokens/s); ratios are ratios of medians (sparse / dense,
+compiled / eager).
 Goals: sparse / dense >= 1.2x at T=1024 and >= 2x at T=4096 on a CPU, >= 1.0x and >= 1.5x
 on CUDA; compiled / eager >= 1.0x.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import statistics
 import time
 
 import torch
@@ -23,6 +32,8 @@ from ..model import FibLM
 from ..presets import get_preset
 
 GOALS = {"cpu": {1024: 1.2, 4096: 2.0}, "cuda": {1024: 1.0, 4096: 1.5}}
+MIN_STEPS = 5
+SPREAD = "min-max"           # what the *_min / *_max fields and the table's range are
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -35,9 +46,18 @@ def _ints(text: str, name: str) -> list[int]:
     return vals
 
 
+def check_steps(steps: int) -> int:
+    if steps < MIN_STEPS:
+        raise ConfigError(f"--steps must be >= {MIN_STEPS} (the median over interleaved timed steps "
+                          f"needs at least {MIN_STEPS}), got {steps}")
+    return steps
+
+
 def configure_parser(parser) -> None:
     parser.add_argument("--lengths", default="1024,4096", help="sequence lengths (default 1024,4096)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (default 3)")
+    parser.add_argument("--steps", type=int, default=MIN_STEPS,
+                        help=f"timed steps per variant, interleaved round-robin; the median is reported "
+                             f"(default and minimum {MIN_STEPS})")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens per step (default 8192 on CPU, 32768 on CUDA)")
     parser.add_argument("--preset", default="tiny", help="model shape: tiny | paper (default tiny)")
@@ -60,8 +80,14 @@ def variant(preset: str, attention: str, T: int, window: int, backend: str, sche
     return cfg
 
 
-def measure(model_cfg, batch: int, steps: int, device: torch.device, compiled: bool = False) -> float:
-    """Training tokens/s over ``steps`` timed steps (after one warm-up step)."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(model_cfg, batch: int, device: torch.device, compiled: bool = False):
+    """A fresh model (seed 0), its AdamW and random tokens; returns ``(step, warmup_steps)``
+    where ``step()`` runs one forward + backward + optimizer step."""
     torch.manual_seed(0)
     model = FibLM(model_cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -69,54 +95,102 @@ def measure(model_cfg, batch: int, steps: int, device: torch.device, compiled: b
     T = model_cfg.seq_len
     x = torch.randint(0, model_cfg.vocab_size, (batch, T), device=device)
     y = torch.randint(0, model_cfg.vocab_size, (batch, T), device=device)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
-                                                                                                    enabled=False)
+    cuda = device.type == "cuda"
 
     def step():
-        with amp:
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
             _, loss = fwd(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()
-    if compiled:
-        step()              # the backward graph of a compiled model is built on its first use
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    return batch * T * steps / wall
+    # the backward graph of a compiled model is built on its first use, after the forward's
+    return step, (2 if compiled else 1)
+
+
+def interleave(steps: dict, n: int, device: torch.device, clock=None) -> dict[str, list[float]]:
+    """Seconds of each of ``n`` timed calls per variant, run round-robin in ``steps``' order
+    (v1, v2, ..., v1, v2, ...); each call is synchronised before and after on CUDA."""
+    clock = clock or time.perf_counter
+    secs: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(n):
+        for name, step in steps.items():
+            _sync(device)
+            t0 = clock()
+            step()
+            _sync(device)
+            secs[name].append(clock() - t0)
+    return secs
+
+
+def summarize(tokens_per_step: int, secs: list[float]) -> dict:
+    """Median tokens/s over the timed steps and the min–max spread of the per-step rates."""
+    rates = [tokens_per_step / s for s in secs]
+    return {"tok_s": statistics.median(rates), "min": min(rates), "max": max(rates), "steps": len(rates)}
 
 
 def bench(lengths, steps: int, tokens: int, preset: str = "tiny", window: int = 12, backend: str = "auto",
           device: str = "cpu", schedule: str = "linear", compiled: bool = False) -> list[dict]:
+    check_steps(steps)
     dev = torch.device(device)
     goals = GOALS["cuda" if dev.type == "cuda" else "cpu"]
     rows = []
     for T in lengths:
         batch = max(1, tokens // T)
         cfgs = {a: variant(preset, a, T, window, backend, schedule) for a in ("dense", "sparse")}
+        names = [("dense", "dense", False), ("sparse", "sparse", False)]
+        if compiled:
+            names += [("dense_compiled", "dense", True), ("sparse_compiled", "sparse", True)]
+        built = {name: make_step(cfgs[a], batch, dev, c) for name, a, c in names}    # all models live at once
+        for name in built:
+            for _ in range(built[name][1]):
+                built[name][0]()
+        secs = interleave({name: built[name][0] for name in built}, steps, dev)
+        del built
         row = {"length": T, "batch": batch}
-        for a in ("dense", "sparse"):
-            row[f"{a}_tok_s"] = measure(cfgs[a], batch, steps, dev)
-        row.update(ratio=row["sparse_tok_s"] / row["dense_tok_s"], goal=goals.get(T))
+        for name, _, _ in names:
+            s = summarize(batch * T, secs[name])
+            row.update({f"{name}_tok_s": s["tok_s"], f"{name}_tok_s_min": s["min"], f"{name}_tok_s_max": s["max"]})
+        row.update(ratio=row["sparse_tok_s"] / row["dense_tok_s"], goal=goals.get(T), steps=steps)
         if compiled:
             for a in ("dense", "sparse"):
-                row[f"{a}_compiled_tok_s"] = measure(cfgs[a], batch, steps, dev, compiled=True)
                 row[f"{a}_compiled_over_eager"] = row[f"{a}_compiled_tok_s"] / row[f"{a}_tok_s"]
         rows.append(row)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
+
+
+def format_table(rows: list[dict], compiled: bool) -> str:
+    w = max([len(f"{r[k]:.0f}") for r in rows for k in r if k.endswith(("_min", "_max"))] + [1])
+    rng = 2 * w + 3
+    lines = [f"{'T':>6} {'batch':>5} {'dense tok/s':>12} {'(min-max)':<{rng}} {'sparse tok/s':>13} "
+             f"{'(min-max)':<{rng}} {'sparse/dense':>13} {'goal':>6}"]
+    for r in rows:
+        goal = f">={r['goal']}x" if r["goal"] else ""
+        rd = f"({r['dense_tok_s_min']:.0f}-{r['dense_tok_s_max']:.0f})"
+        rs = f"({r['sparse_tok_s_min']:.0f}-{r['sparse_tok_s_max']:.0f})"
+        lines.append(f"{r['length']:>6} {r['batch']:>5} {r['dense_tok_s']:>12.0f} {rd:<{rng}} "
+                     f"{r['sparse_tok_s']:>13.0f} {rs:<{rng}} {r['ratio']:>12.2f}x {goal:>6}")
+    if compiled:
+        lines += ["", "compiled (torch.compile, fullgraph=True) vs eager",
+                  f"{'T':>6} {'dense tok/s':>12} {'(min-max)':<{rng}} {'compiled/eager':>15} "
+                  f"{'sparse tok/s':>13} {'(min-max)':<{rng}} {'compiled/eager':>15}"]
+        for r in rows:
+            rd = f"({r['dense_compiled_tok_s_min']:.0f}-{r['dense_compiled_tok_s_max']:.0f})"
+            rs = f"({r['sparse_compiled_tok_s_min']:.0f}-{r['sparse_compiled_tok_s_max']:.0f})"
+            lines.append(f"{r['length']:>6} {r['dense_compiled_tok_s']:>12.0f} {rd:<{rng}} "
+                         f"{r['dense_compiled_over_eager']:>14.2f}x {r['sparse_compiled_tok_s']:>13.0f} "
+                         f"{rs:<{rng}} {r['sparse_compiled_over_eager']:>14.2f}x")
+    steps = rows[0]["steps"] if rows else MIN_STEPS
+    lines += ["", f"tok/s: median of {steps} timed steps per variant, interleaved round-robin after warm-up; "
+                  f"(min-max): spread of the per-step tok/s; ratios are ratios of medians"]
+    return "\n".join(lines)
 
 
 def run(args) -> int:
     lengths = _ints(args.lengths, "--lengths")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    check_steps(args.steps)
     if args.tokens is None:
         args.tokens = 32768 if args.device.startswith("cuda") else 8192
     if args.tokens < 2:
@@ -129,19 +203,11 @@ def run(args) -> int:
                  args.schedule, args.compile)
     if args.json:
         print(json.dumps({"preset": args.preset, "window": args.window, "schedule": args.schedule,
-                          "device": args.device, "threads": torch.get_num_threads(), "rows": rows}, indent=2))
+                          "device": args.device, "threads": torch.get_num_threads(), "steps": args.steps,
+                          "stat": "median", "spread": SPREAD, "order": "interleaved round-robin",
+                          "rows": rows}, indent=2))
         return 0
     print(f"training throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window} vs dense, "
           f"{torch.get_num_threads()} threads, {args.device}")
-    print(f"{'T':>6} {'batch':>5} {'dense tok/s':>12} {'sparse tok/s':>13} {'sparse/dense':>13} {'goal':>6}")
-    for r in rows:
-        goal = f">={r['goal']}x" if r["goal"] else ""
-        print(f"{r['length']:>6} {r['batch']:>5} {r['dense_tok_s']:>12.0f} {r['sparse_tok_s']:>13.0f} "
-              f"{r['ratio']:>12.2f}x {goal:>6}")
-    if args.compile:
-        print("\ncompiled (torch.compile, fullgraph=True) vs eager")
-        print(f"{'T':>6} {'dense tok/s':>12} {'compiled/eager':>15} {'sparse tok/s':>13} {'compiled/eager':>15}")
-        for r in rows:
-            print(f"{r['length']:>6} {r['dense_compiled_tok_s']:>12.0f} {r['dense_compiled_over_eager']:>14.2f}x "
-                  f"{r['sparse_compiled_tok_s']:>13.0f} {r['sparse_compiled_over_eager']:>14.2f}x")
+    print(format_table(rows, args.compile))
     return 0

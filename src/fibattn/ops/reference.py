@@ -53,7 +53,7 @@ def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: Interpolat
         values.append(_rows(v, d))
         first.append(d)
     for lo, b in plan.rungs:
-        frac = (alpha * b - lo).to(q.dtype)
+        frac = (alpha.double() * b - lo).to(q.dtype)      # in float64, as the plan chose lo (SPEC §3)
         keys.append((1 - frac) * _rows(k, lo) + frac * _rows(k, lo + 1))
         values.append((1 - frac) * _rows(v, lo) + frac * _rows(v, lo + 1))
         first.append(lo)

@@ -88,7 +88,7 @@ def config(group: int, head_dim: int) -> dict:
     Every program holds a few ``group x rows x Dh`` blocks in registers (q and the output
     accumulator; q, dout and dq in the backward); about 2048 elements per block over 8
     warps keeps each kernel under ~130 registers per thread with no spills on sm_90
-    (``scripts/triton_resources.py`` prints them).
+    (``tools/triton_resources.py`` prints them).
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 2)
     bm = min(64, max(4, 2048 // (bg * bd)))

@@ -1,6 +1,6 @@
 """The GPU check: everything fibattn claims on CUDA, measured in one run on one machine.
 
-    python3 scripts/gpu_check.py [--out DIR] [--budget SECONDS] [--quick]
+    python3 tools/gpu_check.py [--out DIR] [--budget SECONDS] [--quick]
 
 Steps, in order of priority (each with its own time limit; when the budget runs low the
 remaining steps are skipped and say so):
@@ -151,7 +151,7 @@ def train_bench(r: Runner, summary: dict) -> None:
     args = ["bench", "train", "--device", r.device, "--preset", "paper", "--json", "--steps", "5",
             "--lengths", "1024,4096"]
     if r.quick:
-        args = ["bench", "train", "--device", r.device, "--preset", "tiny", "--json", "--steps", "1",
+        args = ["bench", "train", "--device", r.device, "--preset", "tiny", "--json", "--steps", "5",
                 "--lengths", "64", "--tokens", "256"]
     out = r.run("bench_train", _fibattn(*args), 240)
     if out:

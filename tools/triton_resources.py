@@ -1,6 +1,6 @@
 """Registers and spills of the ``triton`` backend's kernels on sm_90, compiled without a GPU.
 
-    python scripts/triton_resources.py [GROUPxDH ...]      (default: 1x64 2x64 4x64 4x128 8x128 4x32)
+    python tools/triton_resources.py [GROUPxDH ...]      (default: 1x64 2x64 4x64 4x128 8x128 4x32)
 
 Compiles every kernel (integer and two-tap) with the launch configuration the backend
 would pick (``triton_backend.config``; ``FIBATTN_TRITON_BLOCK_M`` / ``_WARPS`` override it)

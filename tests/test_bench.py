@@ -1,0 +1,243 @@
+"""``fibattn bench train|generate|attention``: fairness plumbing (never timing goals).
+
+Interleaving, medians and spreads of the train bench; per-variant decode thread counts and
+repeated prefill of the generate bench; the dense SDPA backend label of the attention bench.
+"""
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fibattn.bench import attention as ba
+from fibattn.bench import generate as bg
+from fibattn.bench import train as bt
+from fibattn.cli import main as cli_main
+from fibattn.config import ConfigError
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny workloads run fastest (and steadiest on a shared CPU) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- bench train
+def _fake_train(monkeypatch, durations: dict):
+    """Replace model building with recorders and the clock with one that each step advances
+    by its variant's duration; returns the call log."""
+    log, now = [], [0.0]
+
+    def make_step(model_cfg, batch, device, compiled=False):
+        name = model_cfg.attention + ("_compiled" if compiled else "")
+
+        def step():
+            log.append(name)
+            now[0] += durations[name]
+        return step, (2 if compiled else 1)
+
+    monkeypatch.setattr(bt, "make_step", make_step)
+    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    return log
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bench_train_interleaves_round_robin(monkeypatch, compiled):
+    durations = {"dense": 2.0, "sparse": 1.0, "dense_compiled": 1.0, "sparse_compiled": 0.5}
+    log = _fake_train(monkeypatch, durations)
+    rows = bt.bench([64], steps=6, tokens=256, compiled=compiled)
+    names = ["dense", "sparse"] + (["dense_compiled", "sparse_compiled"] if compiled else [])
+    warm = ["dense", "sparse"] + (["dense_compiled"] * 2 + ["sparse_compiled"] * 2 if compiled else [])
+    assert log == warm + names * 6                     # every model warmed up, then strict round-robin
+    r = rows[0]
+    assert r["length"] == 64 and r["batch"] == 4 and r["steps"] == 6
+    assert r["dense_tok_s"] == pytest.approx(256 / 2.0) and r["sparse_tok_s"] == pytest.approx(256 / 1.0)
+    assert r["ratio"] == pytest.approx(2.0)
+    assert r["dense_tok_s_min"] == r["dense_tok_s_max"] == pytest.approx(128.0)
+    if compiled:
+        assert r["dense_compiled_tok_s"] == pytest.approx(256.0)
+        assert r["dense_compiled_over_eager"] == pytest.approx(2.0)
+        assert r["sparse_compiled_over_eager"] == pytest.approx(2.0)
+    else:
+        assert "dense_compiled_tok_s" not in r
+
+
+def test_bench_train_interleave_syncs_only_on_cuda(monkeypatch):
+    order = []
+    monkeypatch.setattr(bt, "_sync", lambda dev: order.append("sync"))
+    secs = bt.interleave({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2,
+                         torch.device("cpu"))
+    assert order == ["sync", "a", "sync", "sync", "b", "sync"] * 2
+    assert len(secs["a"]) == len(secs["b"]) == 2
+
+
+def test_bench_train_median_and_spread():
+    s = bt.summarize(100, [1.0, 2.0, 4.0, 0.5, 10.0])     # rates 100, 50, 25, 200, 10 tok/s
+    assert s == {"tok_s": 50.0, "min": 10.0, "max": 200.0, "steps": 5}
+    assert bt.summarize(10, [1.0, 2.0, 4.0, 0.5, 0.25, 8.0])["tok_s"] == pytest.approx(7.5)  # even: mean of 5, 10
+    assert bt.SPREAD == "min-max"
+
+
+def test_bench_train_median_resists_one_slow_step(monkeypatch):
+    """One step stalled by another process moves the spread, not the median."""
+    now, calls = [0.0], {"dense": 0, "sparse": 0}
+
+    def make_step(model_cfg, batch, device, compiled=False):
+        name = model_cfg.attention
+
+        def step():
+            calls[name] += 1
+            now[0] += 100.0 if (name == "dense" and calls[name] == 3) else 1.0
+        return step, 1
+
+    monkeypatch.setattr(bt, "make_step", make_step)
+    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    r = bt.bench([64], steps=5, tokens=64)[0]
+    assert r["dense_tok_s"] == pytest.approx(64.0) and r["ratio"] == pytest.approx(1.0)
+    assert r["dense_tok_s_min"] == pytest.approx(0.64) and r["dense_tok_s_max"] == pytest.approx(64.0)
+
+
+@pytest.mark.parametrize("steps", [0, 1, 4])
+def test_bench_train_rejects_fewer_than_5_steps(steps, capsys):
+    with pytest.raises(ConfigError, match="--steps must be >= 5"):
+        bt.bench([64], steps=steps, tokens=128)
+    assert cli_main(["bench", "train", "--steps", str(steps), "--lengths", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps" in err[0] and "Traceback" not in err[0]
+
+
+def test_bench_train_json_keeps_fields(monkeypatch, capsys):
+    _fake_train(monkeypatch, {"dense": 2.0, "sparse": 1.0, "dense_compiled": 1.0, "sparse_compiled": 1.0})
+    assert cli_main(["bench", "train", "--lengths", "64,128", "--tokens", "256", "--compile", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 5 and out["stat"] == "median" and out["spread"] == "min-max"
+    for row in out["rows"]:
+        for key in ("length", "batch", "dense_tok_s", "sparse_tok_s", "ratio", "goal", "dense_compiled_tok_s",
+                    "sparse_compiled_tok_s", "dense_compiled_over_eager", "sparse_compiled_over_eager",
+                    "dense_tok_s_min", "dense_tok_s_max", "sparse_tok_s_min", "sparse_tok_s_max"):
+            assert key in row
+    table_rows = bt.bench([64], steps=5, tokens=256)
+    text = bt.format_table(table_rows, compiled=False)
+    assert "median of 5 timed steps" in text and "(min-max)" in text
+
+
+def test_bench_train_smoke(one_thread):
+    rows = bt.bench([64], steps=5, tokens=128)
+    r = rows[0]
+    assert r["length"] == 64 and r["batch"] == 2 and r["ratio"] > 0
+    assert r["dense_tok_s_min"] <= r["dense_tok_s"] <= r["dense_tok_s_max"]
+    assert r["sparse_tok_s_min"] <= r["sparse_tok_s"] <= r["sparse_tok_s_max"]
+    with pytest.raises(ConfigError, match="--lengths"):
+        bt._ints("1024,x", "--lengths")
+
+
+# ----------------------------------------------------------------------------- bench generate
+def test_generate_thread_candidates():
+    now = torch.get_num_threads()
+    assert bg.thread_candidates("1,0") == sorted({1, now})
+    assert bg.thread_candidates("3,3,1") == [1, 3]
+    assert bg.thread_candidates(0) == [now]
+    assert bg.thread_candidates("1,2", "cuda") == [now]               # no search on CUDA
+    for bad in ("x", "-1", ""):
+        with pytest.raises(ConfigError, match="--decode-threads"):
+            bg.thread_candidates(bad)
+
+
+def test_generate_decode_reports_a_thread_count_per_variant(one_thread):
+    models = {v: bg.build("tiny", v) for v in ("dense", "static")}
+    seen = []
+    real = torch.set_num_threads
+    try:
+        torch.set_num_threads = lambda n: (seen.append(n), real(n))[1]
+        lat = bg.decode_latency(models, [16, 32], steps=1, reps=1, threads=[1, 2])
+    finally:
+        torch.set_num_threads = real
+    assert torch.get_num_threads() == 1                              # restored
+    assert set(lat) == {(v, c) for v in models for c in (16, 32)}
+    for ms, nbytes, th in lat.values():
+        assert ms > 0 and nbytes > 0 and th in (1, 2)
+    assert 1 in seen and 2 in seen                                   # both candidates were timed
+
+
+def test_generate_repeats_prefill_and_labels_threads(monkeypatch, one_thread):
+    calls = []
+    real = bg.prefill_time
+
+    def counted(model, length, layers):
+        calls.append((model.cfg.attention, length))
+        return real(model, length, layers)
+
+    monkeypatch.setattr(bg, "prefill_time", counted)
+    args = types.SimpleNamespace(device="cpu", dtype="float32", steps=1, reps=1, decode_threads=[1],
+                                 prefill_layers=1, prefill_reps=3)
+    recs = bg.measure_shape("tiny", ["dense", "static"], [16], [32], args)
+    timed = [c for c in calls if c[1] == 32]
+    assert timed == [("dense", 32), ("sparse", 32)] * 3              # 3 runs each, interleaved
+    by = {(r["variant"], r["context"]): r for r in recs}
+    for v in ("dense", "static"):
+        assert by[v, 16]["decode_threads"] == 1
+        pre = by[v, 32]
+        assert pre["prefill_reps"] == 3 and pre["prefill_threads"] == 1
+        assert pre["prefill_s_min"] <= pre["prefill_s"] <= pre["prefill_s_max"]
+    text = bg.format_table(recs, bg.ratios(recs), [1])
+    assert "threads" in text.splitlines()[0] and "median of 3 interleaved runs" in text
+
+
+@pytest.mark.parametrize("argv, flag", [(["--decode-threads", "a"], "--decode-threads"),
+                                        (["--prefill-reps", "0"], "--prefill-reps")])
+def test_generate_rejects_bad_thread_and_rep_flags(argv, flag, capsys):
+    assert cli_main(["bench", "generate", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
+
+
+# ----------------------------------------------------------------------------- bench attention
+def _cfg(**kw):
+    return ba.BenchConfig(lengths=[64], repeats=2, heads=2, kv_heads=2, head_dim=16, memory=False,
+                          paths=["dense", "integer"], **kw)
+
+
+def _spy_sdpa(monkeypatch):
+    """Record which SDPA backends were enabled at each dense call."""
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **kw):
+        seen.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_attention_dense_backend_label_on_cpu(monkeypatch, one_thread):
+    seen = _spy_sdpa(monkeypatch)
+    recs = {r.path: r for r in ba.bench_length(_cfg(), 64)}
+    assert recs["dense"].backend == "sdpa-cpu-flash"                 # torch's CPU flash kernel runs these
+    assert recs["dense"].ms > 0 and recs["integer"].backend == "cpu"
+    assert seen and all(s == (True, False) for s in seen)            # every dense call: flash alone
+    assert "sdpa-cpu-flash" in ba.table(list(recs.values()))
+    assert ba.sdpa_order()[0] == "flash" and ba.sdpa_order()[-1] == "math"
+
+
+def test_attention_dense_backend_falls_through_to_first_that_runs(monkeypatch, one_thread):
+    seen = _spy_sdpa(monkeypatch)
+    monkeypatch.setattr(ba, "sdpa_order", lambda: ["efficient", "cudnn", "math", "flash"])   # no CUDA kernels here
+    recs = {r.path: r for r in ba.bench_length(_cfg(), 64, backward=False)}
+    assert recs["dense"].backend == "sdpa-cpu-math" and recs["dense"].mode == "fwd"
+    assert seen[-3:] == [(False, True)] * 3                         # warm-up pick + 2 timed rounds: math alone
+    monkeypatch.setattr(ba, "sdpa_order", lambda: ["efficient", "cudnn"])
+    with pytest.raises(RuntimeError, match="no backend runs"):
+        ba.bench_length(_cfg(), 64)
+
+
+def test_attention_json_backend_field(capsys, one_thread):
+    assert cli_main(["bench", "attention", "--lengths", "32", "--repeats", "1", "--no-memory", "--paths", "dense",
+                     "--heads", "2", "--head-dim", "16", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert rec["path"] == "dense" and rec["backend"].startswith("sdpa-cpu-")
+    assert ba.sdpa_label("flash", "cuda:0") == "sdpa-flash" and ba.sdpa_label("math", "cpu") == "sdpa-cpu-math"
