@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fibattn.bench import attention as ba
+from fibattn.bench import attention_paths as bp
 from fibattn.bench import generate as bg
 from fibattn.bench import train as bt
 from fibattn.cli import main as cli_main
@@ -221,16 +222,16 @@ def test_attention_dense_backend_label_on_cpu(monkeypatch, one_thread):
     assert recs["dense"].ms > 0 and recs["integer"].backend == "cpu"
     assert seen and all(s == (True, False) for s in seen)            # every dense call: flash alone
     assert "sdpa-cpu-flash" in ba.table(list(recs.values()))
-    assert ba.sdpa_order()[0] == "flash" and ba.sdpa_order()[-1] == "math"
+    assert bp.sdpa_order()[0] == "flash" and bp.sdpa_order()[-1] == "math"
 
 
 def test_attention_dense_backend_falls_through_to_first_that_runs(monkeypatch, one_thread):
     seen = _spy_sdpa(monkeypatch)
-    monkeypatch.setattr(ba, "sdpa_order", lambda: ["efficient", "cudnn", "math", "flash"])   # no CUDA kernels here
+    monkeypatch.setattr(bp, "sdpa_order", lambda: ["efficient", "cudnn", "math", "flash"])   # no CUDA kernels here
     recs = {r.path: r for r in ba.bench_length(_cfg(), 64, backward=False)}
     assert recs["dense"].backend == "sdpa-cpu-math" and recs["dense"].mode == "fwd"
     assert seen[-3:] == [(False, True)] * 3                         # warm-up pick + 2 timed rounds: math alone
-    monkeypatch.setattr(ba, "sdpa_order", lambda: ["efficient", "cudnn"])
+    monkeypatch.setattr(bp, "sdpa_order", lambda: ["efficient", "cudnn"])
     with pytest.raises(RuntimeError, match="no backend runs"):
         ba.bench_length(_cfg(), 64)
 
@@ -240,4 +241,4 @@ def test_attention_json_backend_field(capsys, one_thread):
                      "--heads", "2", "--head-dim", "16", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     assert rec["path"] == "dense" and rec["backend"].startswith("sdpa-cpu-")
-    assert ba.sdpa_label("flash", "cuda:0") == "sdpa-flash" and ba.sdpa_label("math", "cpu") == "sdpa-cpu-math"
+    assert bp.sdpa_label("flash", "cuda:0") == "sdpa-flash" and bp.sdpa_label("math", "cpu") == "sdpa-cpu-math"

@@ -41,45 +41,14 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fibattn
-from ..ops import resolve_backend
-from ..schedules import attended_distances
+from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, PATHS, BenchConfig, _inputs, backend_name,
+                              make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
 
-PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated")
-DEFAULT_PATHS = {"cpu": ("dense", "mask", "integer", "interpolated"), "cuda": PATHS}
-CUDA_LENGTHS = [1024, 4096, 16384, 65536]
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class BenchConfig:
-    lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384])
-    repeats: int = 3
-    heads: int = 8
-    kv_heads: int = 8
-    head_dim: int = 64
-    window: int = 12
-    fib_k: int = 15
-    alpha: float = 1.5
-    device: str = "cpu"
-    mask_budget_gb: float = 8.0
-    memory: bool = True
-    memory_check: int | None = None
-    batch: int = 1
-    dtype: str = "float32"
-    paths: list[str] = field(default_factory=lambda: list(DEFAULT_PATHS["cpu"]))
-    forward_lengths: list[int] = field(default_factory=list)
-
-    @property
-    def on_cuda(self) -> bool:
-        return self.device.startswith("cuda")
+__all__ = ["BenchConfig", "Record", "PATHS", "bench_length", "configure_parser", "run", "table"]
 
 
 @dataclass
@@ -92,143 +61,6 @@ class Record:
     skipped: str | None = None
     mode: str = "fwd+bwd"
     gb_s: float | None = None
-
-
-# ----------------------------------------------------------------------------- the paths
-def _inputs(cfg: BenchConfig, T: int):
-    g = torch.Generator().manual_seed(0)
-    dev = torch.device(cfg.device)
-
-    def rnd(h):
-        return torch.randn(cfg.batch, h, T, cfg.head_dim, generator=g).to(dev, _DTYPES[cfg.dtype])
-
-    q, k, v = rnd(cfg.heads), rnd(cfg.kv_heads), rnd(cfg.kv_heads)
-    return [x.requires_grad_() for x in (q, k, v)], rnd(cfg.heads)
-
-
-def _distances(cfg: BenchConfig, T: int) -> list[int]:
-    return attended_distances(cfg.window, cfg.alpha, f"fib:{cfg.fib_k}", T)
-
-
-MASK_BYTES_PER_ENTRY = 17
-
-
-def mask_bytes(T: int) -> int:
-    """Estimated peak extra memory of the mask path (see the module docstring)."""
-    return MASK_BYTES_PER_ENTRY * T * T
-
-
-SDPA_NAMES = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.EFFICIENT_ATTENTION: "efficient",
-              SDPBackend.CUDNN_ATTENTION: "cudnn", SDPBackend.MATH: "math"}
-SDPA_BY_NAME = {name: b for b, name in SDPA_NAMES.items()}
-
-
-def sdpa_order() -> list[str]:
-    """SDPA backends to try for the dense path: torch's own priority order (flash, efficient, ...)
-    restricted to the four named ones, with math (the unfused reference) last."""
-    try:
-        order = [SDPBackend(int(i)) for i in torch._C._get_sdp_priority_order()]
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-    names = [SDPA_NAMES[b] for b in order if b in SDPA_NAMES and b != SDPBackend.MATH]
-    names += [n for n in ("flash", "efficient", "cudnn") if n not in names]
-    return names + ["math"]
-
-
-def sdpa_label(name: str, device: str) -> str:
-    """The backend column for the dense path: ``sdpa-flash`` on CUDA, ``sdpa-cpu-flash`` on CPU."""
-    return f"sdpa-{name}" if device.startswith("cuda") else f"sdpa-{device.split(':')[0]}-{name}"
-
-
-def pick_sdpa(step_under) -> str:
-    """Run ``step_under(name)`` for each backend of :func:`sdpa_order` and return the first name
-    that runs (that call doubles as the warm-up). ``RuntimeError`` (no kernel for these inputs,
-    or out of memory) moves on to the next; if none runs, a RuntimeError naming each failure."""
-    errors = []
-    for name in sdpa_order():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")           # "Flash attention kernel not used because ..."
-                step_under(name)
-            return name
-        except (RuntimeError, NotImplementedError) as exc:
-            errors.append((name, exc))
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    tried = "; ".join(f"{n}: {str(e).splitlines()[0][:200]}" for n, e in errors)
-    raise RuntimeError(f"dense SDPA: no backend runs these inputs ({tried})") from errors[0][1]
-
-
-def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool = True, sdpa: str | None = None):
-    """A closure running one forward+backward (or forward) of ``path`` (on ``inputs`` or fresh ones).
-    ``sdpa`` (dense path only): run SDPA under that backend alone (flash, efficient, cudnn, math)."""
-    (q, k, v), dout = inputs or _inputs(cfg, T)
-    gqa = cfg.kv_heads != cfg.heads
-    if path == "dense":
-        def fwd():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    elif path == "mask":
-        dists = torch.tensor(_distances(cfg, T), device=q.device)
-        pos = torch.arange(T, device=q.device)
-        rel = pos[:, None] - pos[None, :]
-        allowed = torch.zeros(T, dtype=torch.bool, device=q.device)
-        allowed[dists] = True
-        mask = (rel >= 0) & allowed[rel.clamp(min=0)]
-        del rel
-
-        def fwd():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    elif path in ("integer", "torch", "flex"):
-        dists = _distances(cfg, T)
-        backend = "auto" if path == "integer" else path
-
-        def fwd():
-            return fibattn.sparse_attention(q, k, v, dists, backend=backend)
-    elif path == "interpolated":
-        alpha = torch.tensor(cfg.alpha, device=q.device, requires_grad=True)
-
-        def fwd():
-            return fibattn.interpolated_sparse_attention(q, k, v, alpha=alpha, base=f"fib:{cfg.fib_k}",
-                                                         window=cfg.window, backend="auto")
-    else:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-
-    def run():
-        if not backward:
-            with torch.no_grad():
-                return fwd()
-        for x in (q, k, v):
-            x.grad = None
-        fwd().backward(dout)
-
-    if path != "dense" or sdpa is None:
-        return run
-    backend = SDPA_BY_NAME[sdpa]
-
-    def step():
-        with sdpa_kernel([backend]):
-            return run()
-    return step
-
-
-def backend_name(cfg: BenchConfig, path: str) -> str:
-    if path in ("dense", "mask"):
-        return "sdpa"
-    if path in ("torch", "flex"):
-        return path
-    return resolve_backend("auto", torch.device(cfg.device), interpolated=path == "interpolated")
-
-
-def traffic_bytes(cfg: BenchConfig, T: int, backward: bool = True) -> int:
-    """Bytes the fused kernels must move when each reads its inputs and writes its outputs once:
-    forward q, k, v -> out, lse; backward q, dout, out, k, v, lse -> dq, delta and
-    q, dout, k, v, lse, delta -> dk, dv."""
-    es = torch.empty((), dtype=_DTYPES[cfg.dtype]).element_size()
-    nq = cfg.batch * cfg.heads * T * cfg.head_dim * es
-    nkv = cfg.batch * cfg.kv_heads * T * cfg.head_dim * es
-    ns = cfg.batch * cfg.heads * T * 4
-    fwd = 2 * nq + 2 * nkv + ns
-    return fwd + (4 * nq + 2 * nkv + 2 * ns) + (2 * nq + 4 * nkv + 2 * ns) if backward else fwd
 
 
 def copy_gb_s(device: str, nbytes: int = 1 << 31) -> float:
