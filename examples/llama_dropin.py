@@ -4,7 +4,7 @@
     python examples/llama_dropin.py [--steps 20] [--window 8] [--schedule linear]
 
 Builds a small randomly initialised ``LlamaForCausalLM``, switches its attention to
-depth-staggered Fibonacci sparse attention with :func:`fibattn.hf.apply_fibattn`
+depth-staggered Fibonacci sparse attention with :func:`fibattn.interop.hf_llama.apply_fibattn`
 (transformers' attention registry; per-layer alphas from the schedule), checks one
 forward pass, then fine-tunes a few steps on the bundled corpus (UTF-8 bytes -> ids
 modulo the vocabulary) and prints the loss falling.
@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fibattn.data import read_corpus
-from fibattn.hf import apply_fibattn
+from fibattn.interop.hf_llama import apply_fibattn
 
 
 def batches(vocab: int, seq_len: int, batch: int, seed: int):

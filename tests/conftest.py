@@ -1,12 +1,26 @@
-"""Test-wide settings.
+"""Test-wide settings and shared fixtures.
 
 Without a CUDA device the ``triton`` backend's kernels run on CPU tensors through Triton's
 interpreter; it must be switched on before any kernel is defined (fibattn defines them on
 first use of the backend). ``-m gpu`` runs the same tests natively on CUDA.
 """
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """The bundled corpus prepared once per session with the ``tiny`` preset's data settings
+    (byte tokens). Tests must not modify it: copy it first."""
+    from fibattn.data import ensure_prepared
+    from fibattn.presets import tiny
+    dcfg = tiny().data
+    dcfg.out_dir = str(tmp_path_factory.mktemp("tiny-data") / "shakespeare")
+    ensure_prepared(dcfg, progress=False)
+    return Path(dcfg.out_dir)

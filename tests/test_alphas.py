@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from fibattn import alphas as A
+from fibattn.eval import alphas as A
 from fibattn.config import ModelConfig, RunConfig
-from fibattn.model import FibLM
-from fibattn.results import ResultsDB
+from fibattn.model.lm import FibLM
+from fibattn.storage.results import ResultsDB
 
 
 def test_largest_move_line():

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fibattn.attention import FibAttention, config_layer_alphas
+from fibattn.model.attention import FibAttention, config_layer_alphas
 from fibattn.config import ModelConfig
-from fibattn.rope import RotaryEmbedding
+from fibattn.model.rope import RotaryEmbedding
 from fibattn.schedules import attended_distances
 
 torch.manual_seed(0)

@@ -14,6 +14,7 @@ from fibattn.bench import attention as ba
 from fibattn.bench import attention_paths as bp
 from fibattn.bench import generate as bg
 from fibattn.bench import train as bt
+from fibattn.checks import parse_int_list
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError
 
@@ -133,7 +134,7 @@ def test_bench_train_smoke(one_thread):
     assert r["dense_tok_s_min"] <= r["dense_tok_s"] <= r["dense_tok_s_max"]
     assert r["sparse_tok_s_min"] <= r["sparse_tok_s"] <= r["sparse_tok_s_max"]
     with pytest.raises(ConfigError, match="--lengths"):
-        bt._ints("1024,x", "--lengths")
+        parse_int_list("1024,x", "--lengths", minimum=2, error=ConfigError)
 
 
 # ----------------------------------------------------------------------------- bench generate

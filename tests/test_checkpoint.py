@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 
 
 def make(root, step, payload=1.0):

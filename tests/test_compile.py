@@ -5,7 +5,7 @@ import torch
 
 import fibattn
 from fibattn.config import ModelConfig
-from fibattn.model import FibLM
+from fibattn.model.lm import FibLM
 from fibattn.ops import backend_available, custom_ops
 
 HOST = ["torch", "cpu"]

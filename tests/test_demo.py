@@ -2,11 +2,11 @@ import sqlite3
 
 import pytest
 
-from fibattn import demo as D
-from fibattn import grid as G
-from fibattn import report as Rp
+from fibattn.study import demo as D
+from fibattn.study import grid as G
+from fibattn.study import report as Rp
 from fibattn.cli import main as cli_main
-from fibattn.results import ResultsDB
+from fibattn.storage.results import ResultsDB
 
 
 def _checks(dense_long, sparse_long):

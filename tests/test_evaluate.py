@@ -10,13 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn import config as C
-from fibattn import evaluate as E
+from fibattn.eval import perplexity as E
 from fibattn.config import ModelConfig
 from fibattn.data import ByteTokenizer
-from fibattn.io import atomic_write_text
-from fibattn.model import FibLM
+from fibattn.files import atomic_write_text
+from fibattn.model.lm import FibLM
+from fibattn.cli import evaluate as CE
+from fibattn.eval.run_folder import evaluate_run
 
 
 class Unigram(nn.Module):
@@ -191,9 +193,9 @@ def test_evaluate_run_writes_json_db_and_plots(tmp_path):
     rows = [json.dumps({"step": s, "loss": 1.0, "alphas": [1.0, 1.0 + s / 1000]}) for s in (2, 4)]
     (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     data = FakeData({"x": RNG.integers(0, 255, size=400).astype(np.uint8), "y": RNG.integers(0, 255, size=400)})
-    rep = E.evaluate_run(run, data=data, device="cpu", datasets=["x"])
+    rep = evaluate_run(run, data=data, device="cpu", datasets=["x"])
     assert [r.length for r in rep.records] == [32, 64] and rep.settings["step"] == 7
-    E.evaluate_run(run, data=data, device="cpu", lengths=[32], reach="train", datasets=["x"], plot=False)
+    evaluate_run(run, data=data, device="cpu", lengths=[32], reach="train", datasets=["x"], plot=False)
     doc = json.loads((run / "eval.json").read_text())
     keys = {(r["dataset"], r["length"], r["mode"]) for r in doc["results"]}
     assert keys == {("x", 32, "study"), ("x", 64, "study"), ("x", 32, "train")}      # merged, not overwritten
@@ -205,13 +207,13 @@ def test_evaluate_run_writes_json_db_and_plots(tmp_path):
     assert (run / "eval_positions_study.png").is_file() and (run / "alphas.md").is_file()
     assert (run / "alphas.png").is_file()
     with pytest.raises(ValueError, match="unknown dataset 'z'.*x, y"):
-        E.evaluate_run(run, data=data, device="cpu", datasets=["z"])
+        evaluate_run(run, data=data, device="cpu", datasets=["z"])
 
 
 def _cli(argv):
     parser = argparse.ArgumentParser()
-    E.configure_parser(parser)
-    return E.run(parser.parse_args(argv))
+    CE.configure_parser(parser)
+    return CE.run(parser.parse_args(argv))
 
 
 def test_cli_bad_input(tmp_path, capsys):

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 import fibattn
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn.cli import main as cli_main
 from fibattn.config import to_dict
 from fibattn.data.tokenizers import ByteTokenizer
-from fibattn.export import export_run
-from fibattn.hub import ExportError, is_export, load_model, load_pretrained, verify_export
-from fibattn.model import FibLM
+from fibattn.storage.export import export_run
+from fibattn.storage.pretrained import ExportError, is_export, load_model, load_pretrained, verify_export
+from fibattn.model.lm import FibLM
 from fibattn.presets import tiny
 
 
@@ -41,7 +41,7 @@ def make_run(root, steps=(3, 5), **model_kw):
 
 
 def reference(run, step):
-    from fibattn.runs import load_run
+    from fibattn.storage.runs import load_run
     model, _, _ = load_run(run, step=step)
     return model
 

@@ -1,6 +1,4 @@
 """Streaming generation: decode-step logits equal full forward passes, caches stay constant."""
-import sys
-import types
 from argparse import Namespace
 
 import pytest
@@ -8,8 +6,10 @@ import torch
 
 from fibattn.config import ModelConfig
 from fibattn.data.tokenizers import ByteTokenizer
-from fibattn.generate import (DecodeSession, Sampling, TextStream, generate, generate_tokens, run, sample)
-from fibattn.model import FibLM
+from fibattn.cli import generate as cli_generate
+from fibattn.cli.generate import run
+from fibattn.generation.decode import DecodeSession, Sampling, TextStream, generate, generate_tokens, sample
+from fibattn.model.lm import FibLM
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -220,9 +220,8 @@ def test_text_stream_never_splits_utf8():
 
 def test_cli_streams_text(monkeypatch, capsys):
     model = build(vocab_size=256)
-    fake = types.ModuleType("fibattn.runs")
-    fake.load_run = lambda run_dir, step="latest", device="cpu", model_overrides=None: (model, None, ByteTokenizer())
-    monkeypatch.setitem(sys.modules, "fibattn.runs", fake)
+    monkeypatch.setattr(cli_generate, "load_run", lambda run_dir, step="latest", device="cpu", model_overrides=None:
+                        (model, None, ByteTokenizer()))
     args = Namespace(run_dir="x", prompt="Hi ", max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                      step="latest", device="cpu", overrides=[], threads=0)
     assert run(args) == 0

@@ -3,10 +3,11 @@ import sqlite3
 
 import pytest
 
-from fibattn import grid as G
-from fibattn import grid_runner as R
+from fibattn.study import grid as G
+from fibattn.study import runner as R
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError
+from fibattn.cli import grid as CG
 
 
 def _cfg(grid, name, root="runs"):
@@ -101,10 +102,10 @@ def test_bad_extension_files(tmp_path, content, match):
 def test_missing_extension_file_and_bad_devices(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         G.build_grid("paper", extend=str(tmp_path / "none.json"))
-    assert G.parse_devices("0, 2") == ["0", "2"]
+    assert CG.parse_devices("0, 2") == ["0", "2"]
     for bad in ("a", "0,0", ""):
         with pytest.raises(ValueError, match="--devices"):
-            G.parse_devices(bad)
+            CG.parse_devices(bad)
 
 
 # ------------------------------------------------------------------------------ commands
@@ -212,7 +213,7 @@ def test_parallel_grid_for_real(tmp_path):
 
 
 def test_interrupted_run_resumes(tmp_path, smoke_root):
-    from fibattn.train import train
+    from fibattn.trainer.trainer import train
     grid = G.build_grid("smoke", only="dense", sets=[f"data.out_dir={smoke_root / 'data' / 'shakespeare-byte'}"])
     cfg = grid.config(grid.runs[0], tmp_path)
     assert train(cfg, stop_at=2).status == "stopped"

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fibattn import attended_distances, layer_alphas, sparse_attention  # noqa: E402
-from fibattn.hf import IMPL_NAME, apply_fibattn, fibattn_attention, remove_fibattn  # noqa: E402
+from fibattn.interop.hf_llama import IMPL_NAME, apply_fibattn, fibattn_attention, remove_fibattn  # noqa: E402
 
 T = 40
 

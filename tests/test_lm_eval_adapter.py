@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn.config import ModelConfig, to_dict
 from fibattn.data.tokenizers import ByteTokenizer
-from fibattn.lm_eval_adapter import FibScorer, run_requests
-from fibattn.model import FibLM
+from fibattn.interop.lm_eval_adapter import FibScorer, run_requests
+from fibattn.model.lm import FibLM
 from fibattn.presets import tiny
 
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
@@ -124,8 +124,8 @@ def test_harness_model_registered(tmp_path):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import MODEL_REGISTRY, get_model
-    import fibattn.lm_eval_adapter as adapter
-    from fibattn.export import export_run
+    import fibattn.interop.lm_eval_adapter as adapter
+    from fibattn.storage.export import export_run
     run, model = _run_folder(tmp_path / "run")
     out = export_run(run, tmp_path / "exp")
     cls = get_model("fibattn")

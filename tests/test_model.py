@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fibattn.config import ConfigError, ModelConfig
-from fibattn.model import FibLM
+from fibattn.model.lm import FibLM
 from fibattn.presets import paper
 from fibattn.schedules import attended_distances, layer_alphas
 

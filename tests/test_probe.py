@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from fibattn import probe as P
-from fibattn.probe_task import ProbeTask, make_batch
+from fibattn.study import probe as P
+from fibattn.study.probe_task import ProbeTask, make_batch
+from fibattn.cli import probe as CP
 
 
 def _check_sample(task, row, answer, d, key):
@@ -77,21 +78,21 @@ def test_probe_runs_end_to_end(tmp_path):
 
 def _args(argv):
     parser = argparse.ArgumentParser()
-    P.configure_parser(parser)
+    CP.configure_parser(parser)
     return parser.parse_args(argv)
 
 
 def test_cli_config_and_bad_input():
-    cfg = P.config_from_args(_args(["--depths", "2,4", "--distances", "10,30", "--marked", "--steps", "5"]))
+    cfg = CP.config_from_args(_args(["--depths", "2,4", "--distances", "10,30", "--marked", "--steps", "5"]))
     assert cfg.depths == (2, 4) and cfg.task.distances == (10, 30) and cfg.task.marked and cfg.steps == 5
-    study = P.config_from_args(_args(["--preset", "study"]))
+    study = CP.config_from_args(_args(["--preset", "study"]))
     assert study.task.distances == (200, 350) and study.task.marked and study.depths == (2, 4, 8)
     for argv, msg in [(["--starts", "random"], "starts must be among uniform, staggered"),
                       (["--depths", "0"], "--depths must be a comma-separated list of integers >= 1"),
                       (["--distances", "100"], "needs seq_len >= 102"), (["--steps", "0"], "steps must be"),
                       (["--preset", "huge"], "--preset must be cpu or study")]:
         with pytest.raises(ValueError, match=msg):
-            P.config_from_args(_args(argv))
+            CP.config_from_args(_args(argv))
 
 
 @pytest.mark.slow

@@ -14,9 +14,8 @@ import pytest
 
 from fibattn.cli import main
 from fibattn.config import TrainConfig
-from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
-from fibattn.train import train
+from fibattn.trainer.trainer import train
 
 MICRO = ["--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
          "--set", "model.n_kv_heads=1", "--set", "model.seq_len=32", "--set", "train.batch_tokens=64",
@@ -165,16 +164,14 @@ def _copy_data(src, dst, tokenizer_text=None, fix_manifest=False):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env(tmp_path_factory, tiny_data):
     w = tmp_path_factory.mktemp("rel-cli")
-    dcfg = tiny().data
-    dcfg.out_dir = str(w / "data")
-    ensure_prepared(dcfg, progress=False)
+    (w / "data").symlink_to(tiny_data, target_is_directory=True)        # read only: {D} in the cases
     cfg = tiny()
     m = cfg.model
     m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 1, 2, 1, 32, 4, 6
     m.backend = "torch"
-    cfg.data.out_dir = dcfg.out_dir
+    cfg.data.out_dir = str(tiny_data)
     cfg.eval.lengths, cfg.eval.tokens = [32], 256
     cfg.train = TrainConfig(out_dir=str(w / "run"), steps=2, batch_tokens=64, micro_batch=2, log_every=1,
                             ckpt_every=100, eval_tokens=64, threads=1, results_db="off")
@@ -184,10 +181,10 @@ def env(tmp_path_factory):
     raw = bytearray(f.read_bytes())
     raw[-3] ^= 0xFF
     f.write_bytes(bytes(raw))
-    tok = (w / "data" / "tokenizer.json").read_text()
-    _copy_data(w / "data", w / "data-badtok", tokenizer_text=tok + "\n ")              # file != manifest
-    _copy_data(w / "data", w / "data-othertok", tokenizer_text=tok + "\n ", fix_manifest=True)
-    _copy_data(w / "data", w / "data-corrupt")
+    tok = (tiny_data / "tokenizer.json").read_text()
+    _copy_data(tiny_data, w / "data-badtok", tokenizer_text=tok + "\n ")              # file != manifest
+    _copy_data(tiny_data, w / "data-othertok", tokenizer_text=tok + "\n ", fix_manifest=True)
+    _copy_data(tiny_data, w / "data-corrupt")
     shard = w / "data-corrupt" / "train_shakespeare_00000.bin"
     raw = bytearray(shard.read_bytes())
     raw[100] ^= 0x01

@@ -19,23 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn import config as C
 from fibattn.config import ConfigError, TrainConfig
-from fibattn.data import ShardError, TokenData, ensure_prepared, verify_prepared
+from fibattn.data import ShardError, TokenData, verify_prepared
 from fibattn.presets import tiny
-from fibattn.runs import load_run
+from fibattn.storage.runs import load_run
 from fibattn.schedules import attended_distances, interpolation_plan
-from fibattn.train import TrainingAborted, train
+from fibattn.trainer.trainer import TrainingAborted, train
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "data"
-    dcfg = tiny().data
-    dcfg.out_dir = str(path)
-    ensure_prepared(dcfg, progress=False)
-    return path
+def data_dir(tiny_data):
+    return tiny_data
 
 
 def micro(out, data_dir, **kw):
@@ -67,7 +63,7 @@ def same_weights(a, b):
 _CHILD = r"""
 import os, sys, time
 from pathlib import Path
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn.cli import main
 
 cfg_path, target, phase, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
@@ -274,7 +270,7 @@ def test_full_out_dir_detected_before_training(tmp_path, data_dir, monkeypatch):
     """Simulated: shutil.disk_usage reports 1 KB free (a real full disk is not created)."""
     import shutil
 
-    from fibattn import train as T
+    from fibattn.trainer import setup as T
     monkeypatch.setattr(T.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9 - 1024, 1024))
     called = []
     out = tmp_path / "runs" / "full"

@@ -3,12 +3,12 @@ import re
 
 import pytest
 
-from fibattn import grid as G
-from fibattn import report as Rp
-from fibattn import study_numbers as S
+from fibattn.study import grid as G
+from fibattn.study import report as Rp
+from fibattn.study import published as S
 from fibattn.cli import main as cli_main
-from fibattn.report_html import Image, Table, Text, to_html
-from fibattn.results import ResultsDB
+from fibattn.study.pages import Image, Table, Text, to_html
+from fibattn.storage.results import ResultsDB
 
 
 def rr(name, variant, window, ppl, seed=42, T=1024):

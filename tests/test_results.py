@@ -2,7 +2,7 @@ import sqlite3
 
 import pytest
 
-from fibattn.results import ResultsDB, default_db_path, resolve_db_path, run_key
+from fibattn.storage.results import ResultsDB, default_db_path, resolve_db_path, run_key
 
 
 def test_tables_and_roundtrip(tmp_path):

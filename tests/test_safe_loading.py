@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn.config import TrainConfig
-from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
-from fibattn.train import train
+from fibattn.trainer.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fibattn"
 
@@ -66,14 +65,13 @@ def _evil_bytes(marker) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, tiny_data):
     w = tmp_path_factory.mktemp("safe")
     cfg = tiny()
     m = cfg.model
     m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 1, 2, 1, 32, 4, 6
     m.backend = "torch"
-    cfg.data.out_dir = str(w / "data")
-    ensure_prepared(cfg.data, progress=False)
+    cfg.data.out_dir = str(tiny_data)
     cfg.train = TrainConfig(out_dir=str(w / "run"), steps=2, batch_tokens=64, micro_batch=2, log_every=1,
                             ckpt_every=100, eval_tokens=64, threads=1, results_db="off")
     train(cfg)
@@ -90,7 +88,7 @@ def _plant_in_checkpoint(ckpt: Path, name: str, payload: bytes) -> None:
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "optimizer.json"])
 def test_pickle_in_checkpoint_is_refused(run_dir, tmp_path, name):
-    from fibattn.runs import load_run
+    from fibattn.storage.runs import load_run
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
     ckpt = run / "checkpoints" / "step-2"
@@ -122,8 +120,8 @@ def test_pickle_checkpoint_refused_on_resume_and_cli(run_dir, tmp_path, capsys):
 
 
 def test_pickle_in_export_is_refused(run_dir, tmp_path):
-    export = pytest.importorskip("fibattn.export")
-    hub = pytest.importorskip("fibattn.hub")
+    export = pytest.importorskip("fibattn.storage.export")
+    hub = pytest.importorskip("fibattn.storage.pretrained")
     out = export.export_run(run_dir, tmp_path / "exp")
     marker = tmp_path / "PWNED"
     payload = _evil_bytes(marker)

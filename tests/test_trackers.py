@@ -122,13 +122,13 @@ def test_wandb_run_id():
 
 @pytest.mark.slow
 def test_train_with_both_trackers(tmp_path, monkeypatch):
-    """End to end through ``fibattn.train.train`` with both switches on."""
+    """End to end through ``fibattn.trainer.trainer.train`` with both switches on."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     from fibattn.config import TrainConfig
     from fibattn.data import ensure_prepared
     from fibattn.presets import tiny
-    from fibattn.train import train
+    from fibattn.trainer.trainer import train
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = tiny()

@@ -6,22 +6,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fibattn import checkpoint as ck
+from fibattn.storage import checkpoint as ck
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError, RunConfig, TrainConfig
-from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
-from fibattn.train import TrainingAborted, accum_steps, train
+from fibattn.trainer.setup import accum_steps
+from fibattn.trainer.trainer import TrainingAborted, train
 from fibattn.trainer.optim import lr_at, param_groups
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "shakespeare"
-    dcfg = tiny().data
-    dcfg.out_dir = str(path)
-    ensure_prepared(dcfg, progress=False)
-    return path
+def data_dir(tiny_data):
+    return tiny_data
 
 
 def micro_cfg(out, data_dir, **train_kw) -> RunConfig:
@@ -172,7 +168,7 @@ def test_lr_schedule_and_decay_groups():
     assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
     assert lr_at(10, t) == pytest.approx(1.0) and lr_at(99, t) == pytest.approx(0.1)
     assert lr_at(54, t) == pytest.approx(0.55, abs=0.01)
-    from fibattn.model import FibLM
+    from fibattn.model.lm import FibLM
     cfg = tiny().model
     cfg.schedule = "learned"
     decay, no_decay = param_groups(FibLM(cfg), 0.1)
@@ -194,7 +190,7 @@ def test_cli(tmp_path, data_dir, capsys):
 
 
 def test_load_run(tmp_path, data_dir):
-    from fibattn.runs import load_run
+    from fibattn.storage.runs import load_run
     out = tmp_path / "lr"
     train(micro_cfg(out, data_dir, steps=4, ckpt_every=2, keep_ckpts=3))
     model, cfg, tok = load_run(out)

@@ -10,9 +10,8 @@ from safetensors.torch import load_file
 
 from fibattn import config as C
 from fibattn.config import TrainConfig
-from fibattn.data import ensure_prepared
 from fibattn.presets import tiny
-from fibattn.train import train
+from fibattn.trainer.trainer import train
 
 
 def cfg_for(out, data_dir):
@@ -41,12 +40,9 @@ def losses(out):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_data):
     root = tmp_path_factory.mktemp("ddp")
-    data_dir = root / "data"
-    dcfg = tiny().data
-    dcfg.out_dir = str(data_dir)
-    ensure_prepared(dcfg, progress=False)
+    data_dir = tiny_data
     single = train(cfg_for(root / "one", data_dir))
     cfg_path = root / "cfg.json"
     C.save(cfg_for(root / "unused", data_dir), cfg_path)

@@ -1,7 +1,7 @@
 """fibattn: depth-staggered Fibonacci sparse attention for PyTorch."""
 from .ops import BACKENDS, interpolated_sparse_attention, sparse_attention
-from .schedules import (Base, InterpolationPlan, LearnedAlphas, as_base, attended_distances, coprime_slots,
-                        fib_base, interpolation_plan, layer_alphas, pow2_base)
+from .schedules import (Base, InterpolationPlan, LearnedAlphas, as_base, attended_distances, coprime_slots, fib_base,
+                        interpolation_plan, layer_alphas, pow2_base)
 
 __version__ = "0.1.0"
 
@@ -14,6 +14,6 @@ __all__ = [
 
 def __getattr__(name):
     if name == "from_pretrained":           # lazy: keeps `import fibattn` light
-        from .hub import from_pretrained
+        from .storage.pretrained import from_pretrained
         return from_pretrained
     raise AttributeError(f"module 'fibattn' has no attribute {name!r}")

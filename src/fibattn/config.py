@@ -159,7 +159,7 @@ def from_dict(data: dict) -> RunConfig:
 
 
 def save(cfg: RunConfig, path) -> None:
-    from .io import atomic_write_text
+    from .files import atomic_write_text
     atomic_write_text(path, json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .io import atomic_write_bytes
+from .files import atomic_write_bytes
 
 log = logging.getLogger("fibattn")
 PLOT_EXTRA = "pip install 'fibattn[plot]'"

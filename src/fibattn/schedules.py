@@ -17,32 +17,16 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
+from .checks import check_int, check_positive
+
 SCHEDULES = ("fixed", "linear", "coprime", "learned", "custom")
 BASE_KINDS = ("fib", "pow2", "custom")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_positive(name: str, value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
 
 
 # ----------------------------------------------------------------------------- bases
 def fib_base(k: int) -> list[int]:
     """The first ``k`` Fibonacci numbers starting 1, 2: ``1, 2, 3, 5, 8, ...``."""
-    _check_int("k", k, 1)
+    check_int("k", k, 1)
     out = [1, 2]
     while len(out) < k:
         out.append(out[-1] + out[-2])
@@ -51,7 +35,7 @@ def fib_base(k: int) -> list[int]:
 
 def pow2_base(limit: int) -> list[int]:
     """Powers of two ``1, 2, 4, ...`` not above ``limit`` (empty when ``limit < 1``)."""
-    _check_int("limit", limit, 0)
+    check_int("limit", limit, 0)
     out, p = [], 1
     while p <= limit:
         out.append(p)
@@ -81,7 +65,7 @@ class Base:
         if self.kind not in BASE_KINDS:
             raise ValueError(f"base kind must be one of {BASE_KINDS}, got {self.kind!r}")
         if self.kind == "fib":
-            _check_int("base k", self.k, 1)
+            check_int("base k", self.k, 1)
         if self.kind == "custom":
             object.__setattr__(self, "values", tuple(check_custom_base(self.values)))
 
@@ -115,10 +99,10 @@ def as_base(base: BaseLike) -> Base:
 
 def distance_cap(seq_len: int, reach: int | None = None) -> int:
     """The largest attended distance: ``seq_len - 1``, or ``reach - 1`` if smaller."""
-    _check_int("seq_len", seq_len, 1)
+    check_int("seq_len", seq_len, 1)
     cap = seq_len - 1
     if reach is not None:
-        cap = min(cap, _check_int("reach", reach, 1) - 1)
+        cap = min(cap, check_int("reach", reach, 1) - 1)
     return cap
 
 
@@ -126,8 +110,8 @@ def distance_cap(seq_len: int, reach: int | None = None) -> int:
 def attended_distances(window: int, alpha: float, base: BaseLike, seq_len: int, *,
                        reach: int | None = None) -> list[int]:
     """Sorted, unique distances a query attends to (SPEC §1); always holds 0..min(W, T-1)."""
-    _check_int("window", window, 0)
-    alpha = _check_positive("alpha", alpha)
+    check_int("window", window, 0)
+    alpha = check_positive("alpha", alpha)
     cap = distance_cap(seq_len, reach)
     dists = set(range(min(window, cap) + 1))
     for b in as_base(base).resolve(seq_len, reach):
@@ -166,8 +150,8 @@ class InterpolationPlan:
 def interpolation_plan(window: int, alpha: float, base: BaseLike, seq_len: int, *,
                        reach: int | None = None) -> InterpolationPlan:
     """Which columns the fractional-distance op uses for this ``alpha`` (SPEC §3)."""
-    _check_int("window", window, 0)
-    alpha = _check_positive("alpha", alpha)
+    check_int("window", window, 0)
+    alpha = check_positive("alpha", alpha)
     cap = distance_cap(seq_len, reach)
     return plan_from_values(window, alpha, as_base(base).resolve(seq_len, reach), cap)
 
@@ -189,8 +173,8 @@ def plan_from_values(window: int, alpha: float, values: Sequence[int], cap: int)
 
 # ----------------------------------------------------------------------- alpha schedules
 def _check_bounds(a_min: float, a_max: float) -> tuple[float, float]:
-    a_min = _check_positive("a_min", a_min)
-    a_max = _check_positive("a_max", a_max)
+    a_min = check_positive("a_min", a_min)
+    a_max = check_positive("a_max", a_max)
     if a_min > a_max:
         raise ValueError(f"a_min must be <= a_max, got a_min={a_min} > a_max={a_max}")
     return a_min, a_max
@@ -198,7 +182,7 @@ def _check_bounds(a_min: float, a_max: float) -> tuple[float, float]:
 
 def coprime_stride(n_layers: int) -> int:
     """The largest ``s <= L/2`` with ``gcd(s, L) = 1`` (1 when ``L < 2``)."""
-    _check_int("n_layers", n_layers, 1)
+    check_int("n_layers", n_layers, 1)
     for s in range(n_layers // 2, 0, -1):
         if math.gcd(s, n_layers) == 1:
             return s
@@ -217,16 +201,16 @@ def layer_alphas(schedule: str, n_layers: int, *, a_min: float = 0.5, a_max: flo
     ``learned`` returns its start values: ``value`` everywhere unless ``values`` is given.
     With one layer ``linear`` gives ``a_min``.
     """
-    _check_int("n_layers", n_layers, 1)
+    check_int("n_layers", n_layers, 1)
     a_min, a_max = _check_bounds(a_min, a_max)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule in ("fixed", "learned") and values is None:
-        out = [_check_positive("value", value)] * n_layers
+        out = [check_positive("value", value)] * n_layers
     elif schedule in ("custom", "learned"):
         if values is None:
             raise ValueError("schedule 'custom' needs values: a list of one alpha per layer")
-        out = [_check_positive("values[i]", v) for v in values]
+        out = [check_positive("values[i]", v) for v in values]
         if len(out) != n_layers:
             raise ValueError(f"values must have n_layers={n_layers} entries, got {len(out)}")
     else:
@@ -249,7 +233,7 @@ class LearnedAlphas(nn.Module):
     def __init__(self, n_layers: int, *, a_min: float = 0.5, a_max: float = 1.5,
                  init: Sequence[float] | None = None):
         super().__init__()
-        _check_int("n_layers", n_layers, 1)
+        check_int("n_layers", n_layers, 1)
         self.a_min, self.a_max = _check_bounds(a_min, a_max)
         if self.a_max == self.a_min:
             raise ValueError(f"a learned alpha needs a_min < a_max, got both {a_min}")

@@ -5,7 +5,7 @@ Variants (random weights, batch 1; float32 on CPU, bfloat16 with ``--device cuda
 with a learned alpha started from linear: alpha·b is fractional, so each rung interpolates
 two rows). Shapes: the ``tiny`` and ``paper`` presets.
 
-- Decode: a :class:`fibattn.generate.DecodeSession` per (variant, context) is put at
+- Decode: a :class:`fibattn.generation.decode.DecodeSession` per (variant, context) is put at
   position ``context - 1`` with *random* cached keys/values (no prefill is run: a dense
   64K prefill would take too long on a CPU), then ``--steps`` tokens are timed per block
   (after one untimed token, which wakes the thread pool after a thread-count change);
@@ -40,9 +40,9 @@ import types
 import torch
 
 from ..config import ConfigError
-from ..generate import DecodeSession
-from ..kvcache import layer_read_plan
-from ..model import FibLM
+from ..generation.decode import DecodeSession
+from ..generation.kvcache import layer_read_plan
+from ..model.lm import FibLM
 from ..presets import get_preset
 
 VARIANTS = ("dense", "static", "learned")

@@ -27,23 +27,14 @@ import time
 
 import torch
 
+from ..checks import parse_int_list
 from ..config import ConfigError
-from ..model import FibLM
+from ..model.lm import FibLM
 from ..presets import get_preset
 
 GOALS = {"cpu": {1024: 1.2, 4096: 2.0}, "cuda": {1024: 1.0, 4096: 1.5}}
 MIN_STEPS = 5
 SPREAD = "min-max"           # what the *_min / *_max fields and the table's range are
-
-
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
-    if not vals or any(v < 2 for v in vals):
-        raise ConfigError(f"{name} must list integers >= 2, got {text!r}")
-    return vals
 
 
 def check_steps(steps: int) -> int:
@@ -189,7 +180,7 @@ def format_table(rows: list[dict], compiled: bool) -> str:
 
 
 def run(args) -> int:
-    lengths = _ints(args.lengths, "--lengths")
+    lengths = parse_int_list(args.lengths, "--lengths", minimum=2, error=ConfigError)
     check_steps(args.steps)
     if args.tokens is None:
         args.tokens = 32768 if args.device.startswith("cuda") else 8192

@@ -12,13 +12,9 @@ Public API::
 
 The optional packages ``datasets``, ``pyarrow`` and ``tokenizers`` (extra ``fibattn[data]``)
 are imported only by the sources / tokenizer that need them.
-
-Note: ``fibattn.data.prepare`` is the function; the CLI module is ``importlib.import_module(
-"fibattn.data.prepare")`` (what ``fibattn prepare`` uses).
 """
 from __future__ import annotations
 
-from . import prepare as _prepare_cli  # noqa: F401  (load the CLI module first; the name below is the function)
 from .corpus import corpus_texts, read_corpus
 from .loader import Loader, TokenData
 from .pipeline import MANIFEST_FILE, ensure_prepared, prepare, read_manifest, verify_prepared

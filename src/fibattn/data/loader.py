@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checks import check_int
 from .pipeline import read_manifest
 from .shards import ShardError, open_shard
 
@@ -145,20 +146,15 @@ class TokenData:
         return Loader(self, seq_len, micro_batch, seed=seed, rank=rank, world_size=world_size)
 
 
-def _check_int(name: str, value, minimum: int):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 class Loader:
     """Deterministic training batches from a :class:`TokenData` (see the module docstring)."""
 
     def __init__(self, data: TokenData, seq_len: int, micro_batch: int, *, seed: int, rank: int = 0,
                  world_size: int = 1):
-        _check_int("seq_len", seq_len, 1)
-        _check_int("micro_batch", micro_batch, 1)
-        _check_int("world_size", world_size, 1)
-        _check_int("seed", seed, 0)
+        check_int("seq_len", seq_len, 1)
+        check_int("micro_batch", micro_batch, 1)
+        check_int("world_size", world_size, 1)
+        check_int("seed", seed, 0)
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
         self.data, self.seq_len, self.micro_batch = data, int(seq_len), int(micro_batch)

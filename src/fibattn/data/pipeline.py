@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError, DataConfig, SourceConfig, validate_data
-from ..io import atomic_write_text
+from ..files import atomic_write_text
 from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab, open_shard, write_shard
 from .sources import check_source, describe_source, iter_documents
 from .tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_sha256, train_bpe

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write_bytes
+from ..files import atomic_write_bytes
 
 MAGIC = b"FIBTOKEN"
 FORMAT_VERSION = 1

@@ -22,7 +22,7 @@ from typing import Iterable, Union
 
 import numpy as np
 
-from ..io import atomic_write_text
+from ..files import atomic_write_text
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"

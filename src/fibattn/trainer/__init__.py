@@ -1,2 +1,2 @@
-"""Pieces of the trainer (``fibattn.train``): optimiser and schedule, distributed setup,
+"""Pieces of the trainer (``fibattn.trainer.trainer``): optimiser and schedule, distributed setup,
 progress/metrics logging and training-state checkpoints."""

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from ..config import ConfigError
-from ..io import atomic_write_text
-from ..results import ResultsDB
+from ..files import atomic_write_text
+from ..storage.results import ResultsDB
 
 
 def fmt_duration(seconds: float) -> str:

@@ -1,4 +1,4 @@
-"""Saving and restoring the full training state through :mod:`fibattn.checkpoint`.
+"""Saving and restoring the full training state through :mod:`fibattn.storage.checkpoint`.
 
 A training checkpoint holds ``model.safetensors``, ``optimizer`` (state keyed by
 parameter name order), ``trainer`` (step, tokens, counters, world size), ``config.json``,
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import checkpoint as ck
+from ..storage import checkpoint as ck
 from ..config import RunConfig, to_dict
-from ..io import atomic_write_text
+from ..files import atomic_write_text
 from .distributed import DistInfo, barrier, broadcast_int
 
 log = logging.getLogger("fibattn")

@@ -1,0 +1,47 @@
+"""Argument checks, decided once: each raises a ValueError naming the argument, the value and
+what is allowed."""
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """An integer (Python or NumPy, never a bool) ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def parse_int(name: str, value, minimum: int) -> int:
+    """Like :func:`check_int`, but also accepts text and whole floats (``"8"``, ``8.0``)."""
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if out < minimum or isinstance(value, bool) or (isinstance(value, float) and value != out):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return out
+
+
+def check_positive(name: str, value) -> float:
+    """A finite number ``> 0``."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return value
+
+
+def parse_int_list(text, name: str, minimum: int = 1, error=ValueError) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]``; anything else raises ``error`` naming ``name``."""
+    msg = f"{name} must be a comma-separated list of integers >= {minimum}, got {text!r}"
+    try:
+        values = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise error(msg) from None
+    if not values or any(v < minimum for v in values):
+        raise error(msg)
+    return values

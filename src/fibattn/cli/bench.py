@@ -1,0 +1,19 @@
+"""``fibattn bench attention|train|generate``: side-by-side speed ratios (see :mod:`fibattn.bench`)."""
+from __future__ import annotations
+
+from ..bench import attention, generate, train
+
+SUITES = {"attention": attention, "train": train, "generate": generate}
+
+
+def configure_parser(parser) -> None:
+    sub = parser.add_subparsers(dest="suite", metavar="SUITE")
+    sub.required = True
+    for name, module in SUITES.items():
+        p = sub.add_parser(name, help=f"benchmark {name}")
+        module.configure_parser(p)
+        p.set_defaults(_suite=module)
+
+
+def run(args) -> int:
+    return args._suite.run(args)

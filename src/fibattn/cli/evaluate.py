@@ -1,0 +1,51 @@
+"""``fibattn eval``: perplexity of a run across lengths on its validation splits."""
+from __future__ import annotations
+
+from ..checks import parse_int_list
+from ..eval.run_folder import evaluate_run
+from ..storage.runs import parse_step
+
+
+def configure_parser(parser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run folder (or one of its checkpoints/step-N folders)")
+    parser.add_argument("--step", default="latest", help="checkpoint step (default: the newest complete one)")
+    parser.add_argument("--lengths", default=None, help="comma-separated lengths (default: the run's eval.lengths)")
+    parser.add_argument("--datasets", default=None, help="comma-separated validation splits (default: all)")
+    parser.add_argument("--tokens", type=int, default=None, help="token budget per split (default: eval.tokens)")
+    parser.add_argument("--reach", default=None, help="study (rebuild distances at the evaluation length) | "
+                        "train (cap at the training length); default: eval.reach")
+    parser.add_argument("--dense-window", action="store_true",
+                        help="dense model only: sliding window of the training length")
+    parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default: eval.batch_size)")
+    parser.add_argument("--buckets", type=int, default=32, help="per-position loss buckets (default 32)")
+    parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: the run's train.device)")
+    parser.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
+    parser.add_argument("--data", default=None, metavar="DIR", help="prepared data folder (default: data.out_dir)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="JSON file to merge into (default: RUN/eval.json)")
+    parser.add_argument("--db", default="", metavar="PATH|off", help="results DB (default: the run's)")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+
+
+def run(args) -> int:
+    lengths = parse_int_list(args.lengths, "--lengths") if args.lengths else None
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
+    if args.tokens is not None and args.tokens < 1:
+        raise ValueError(f"--tokens must be an integer >= 1, got {args.tokens}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+    if args.buckets < 1:
+        raise ValueError(f"--buckets must be an integer >= 1, got {args.buckets}")
+    report = evaluate_run(args.run, step=parse_step(args.step), lengths=lengths, datasets=datasets,
+                          tokens=args.tokens, reach=args.reach, dense_window=args.dense_window,
+                          batch_size=args.batch_size, device=args.device, precision=args.precision, data=args.data,
+                          json_out=args.json, db=args.db, plot=not args.no_plot, buckets=args.buckets)
+    s = report.settings
+    print(f"run {s['run']} step {s['step']} | mode {s['mode']} | train length {s['train_len']} | "
+          f"device {s['device']} | precision {s['precision']}")
+    print(report.table())
+    for line in report.fairness_lines():
+        print(line)
+    if "alpha_report" in s:
+        print()
+        print(s["alpha_report"])
+    return 0

@@ -1,0 +1,21 @@
+"""``fibattn export``: write a run's checkpoint as a portable, verified model folder."""
+from __future__ import annotations
+
+from ..storage import pretrained as hub
+from ..storage.export import export_run
+from ..storage.runs import parse_step
+
+
+def configure_parser(parser) -> None:
+    parser.add_argument("run_dir", metavar="RUN", help="a training run folder (or one checkpoint folder)")
+    parser.add_argument("out_dir", metavar="OUT", help="the folder to write (must be new or empty)")
+    parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it holds an earlier export")
+
+
+def run(args) -> int:
+    out = export_run(args.run_dir, args.out_dir, step=parse_step(args.step), force=args.force)
+    meta = hub.read_meta(out)
+    print(f"fibattn export: wrote {out} ({', '.join(sorted(meta['files']))}, {hub.CONFIG}); "
+          f"step {meta['source']['step']}, {meta['num_params']:,} parameters")
+    return 0

@@ -1,0 +1,61 @@
+"""``fibattn generate``: stream text from a trained run with constant-memory sparse caches."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+from ..devices import resolve_device
+from ..checks import check_int
+from ..generation.decode import TextStream, generate
+from ..storage.runs import load_run, parse_step
+
+log = logging.getLogger("fibattn")
+
+
+def configure_parser(parser) -> None:
+    parser.add_argument("run_dir", metavar="RUN", help="a training run folder (checkpoints + config)")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="runtime model setting: model.reach, model.backend or model.max_seq_len")
+
+def run(args, out=None) -> int:
+
+    out = out or sys.stdout
+    step = parse_step(args.step)
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(check_int("--threads", args.threads, 0))
+    model, _cfg, tokenizer = load_run(args.run_dir, step=step, device=device, model_overrides=args.overrides)
+    if tokenizer is None:
+        raise ValueError(f"run {args.run_dir} has no tokenizer (tokenizer.json in the checkpoint or data folder)")
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+    eos = getattr(tokenizer, "eos_id", None)
+    steps = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                     stop_ids=() if eos is None else (eos,))
+    stream = TextStream(tokenizer)
+    out.write(args.prompt)
+    out.flush()
+    t0, n = time.perf_counter(), 0
+    for st in steps:
+        n += 1
+        out.write(stream.push(int(st.tokens[0])))
+        out.flush()
+    out.write(stream.flush() + "\n")
+    out.flush()
+    dt = time.perf_counter() - t0
+    log.info("fibattn generate: %d tokens in %.2f s (%.1f tok/s)", n, dt, n / dt if dt > 0 else float("nan"))
+    return 0

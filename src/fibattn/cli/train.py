@@ -1,0 +1,43 @@
+"""``fibattn train``: train a model from a preset (or a saved config) plus ``--set`` overrides."""
+from __future__ import annotations
+
+from .. import config as C
+from ..config import ConfigError, RunConfig
+from ..trainer.trainer import TrainingAborted, train
+
+
+def build_config(args) -> RunConfig:
+    from ..presets import get_preset
+    if args.config and args.preset:
+        raise ConfigError("give either --preset or --config, not both")
+    if args.config:
+        cfg = C.load(args.config)
+    else:
+        cfg = get_preset(args.preset or "tiny")
+    C.apply_overrides(cfg, args.set or [])
+    if args.out:
+        cfg.train.out_dir = args.out
+    return C.validate(cfg)
+
+
+def configure_parser(parser) -> None:
+    parser.add_argument("--preset", choices=None, default=None, help="paper | tiny (default tiny)")
+    parser.add_argument("--config", default=None, metavar="FILE.json", help="a full config (e.g. a run's config.json)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. model.window=8 (repeat)")
+    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (train.out_dir)")
+    parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                        help="auto: continue from the newest verified checkpoint (default)")
+    parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
+                        help="stop after this step with a checkpoint (resume later)")
+
+
+def run(args) -> int:
+    cfg = build_config(args)
+    try:
+        result = train(cfg, resume=args.resume, stop_at=args.stop_at)
+    except TrainingAborted as exc:
+        print(f"fibattn train: aborted: {exc}", flush=True)
+        return 1
+    print(f"{result.status}: step {result.step} | {result.tokens} tokens | {result.elapsed_s:.1f}s training | "
+          f"checkpoint {result.checkpoint}", flush=True)
+    return 0

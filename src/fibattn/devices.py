@@ -1,0 +1,26 @@
+"""Choosing a device, decided once: ``auto | cpu | cuda | cuda:N`` everywhere a user names one."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("fibattn")
+_logged: set = set()
+
+
+def resolve_device(name, *, flag: str = "--device") -> torch.device:
+    """``auto`` is CUDA when available, else CPU (logged once per process and choice); an
+    explicit CUDA device without CUDA is an error naming ``flag``."""
+    name = str(name)
+    if name == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if (flag, dev.type) not in _logged:
+            _logged.add((flag, dev.type))
+            log.info("fibattn: %s auto -> %s", flag, dev)
+        return dev
+    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"{flag} {name} but CUDA is not available here; use {flag} cpu or auto")
+        return torch.device(name)
+    raise ValueError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")

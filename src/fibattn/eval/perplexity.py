@@ -1,0 +1,359 @@
+"""Token-level perplexity, bits per byte and per-position loss across lengths.
+
+:func:`evaluate` takes any model and token arrays in memory; for a run folder (its
+checkpoint, validation splits, ``RUN/eval.json``, the results database and plots) see
+:func:`fibattn.eval.run_folder.evaluate_run` and the ``fibattn eval`` command.
+
+Layout: a validation split is a 1-D token array ``toks``. A window of length ``L`` starting
+at ``s`` has inputs ``toks[s : s+L]`` and targets ``toks[s+1 : s+L+1]``; logits ``(B, L, V)``.
+
+Rules (what a result means):
+
+- **Same tokens at every length.** The budget ``min(tokens, len(toks) - 1)`` is rounded
+  down to a multiple ``N`` of the largest length; every length cuts the targets
+  ``toks[1 : N+1]`` into ``N / L`` back-to-back windows, so a 4096 window covers the same
+  text as four 1024 windows. Every position of every window is scored (the study's
+  token-level perplexity), so a shorter length scores more tokens with little context.
+- ``ppl = exp(mean token NLL)`` (natural log). ``bpb = sum NLL / (ln 2 * bytes)``, where
+  ``bytes`` is the UTF-8 size of the scored targets: with the byte tokenizer every
+  token other than end-of-document is one byte (eos counts 0); otherwise the scored
+  targets are decoded in one piece and the UTF-8 bytes of that text are counted.
+- ``reach="study"`` rebuilds the attended distances at the evaluation length;
+  ``"train"`` caps them at the training length (SPEC §1). Set for the evaluation only.
+- ``dense_window``: a dense model evaluated with a sliding window of its training length
+  ``S``: each query sees distances ``0..S-1`` only (exactly what it saw in training). It
+  runs blockwise: query block ``[s, s+S)`` attends keys ``[s-S+1, s+S)`` through SDPA with
+  a banded mask, so cost is O(T·2S) and the result is exact (no chunk-overlap approximation).
+- Per-position loss: mean NLL by position within the window, in ``buckets`` equal spans.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_int
+
+
+log = logging.getLogger("fibattn")
+
+__all__ = ["EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "count_bytes", "dense_window_mode",
+           "evaluate", "position_buckets", "reach_mode", "scored_budget", "scored_target_positions", "token_nll",
+           "window_starts"]
+
+REACH_MODES = ("study", "train")
+EVAL_JSON = "eval.json"
+WINDOW_MODE = "dense-window"
+_LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
+_logged: set = set()
+
+
+def _log_once(msg: str, *args) -> None:
+    key = msg % args
+    if key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
+# ----------------------------------------------------------------------------- validation
+def check_lengths(lengths) -> list[int]:
+    if isinstance(lengths, (int, np.integer)):
+        lengths = [lengths]
+    if not lengths:
+        raise ValueError("lengths must hold at least one evaluation length (integers >= 1)")
+    out = [check_int("each evaluation length", n, 1) for n in lengths]
+    return sorted(set(out))
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def scored_budget(available: int, tokens: int, lengths: Sequence[int], name: str = "split") -> int:
+    """Number of scored targets: ``min(tokens, available - 1)`` rounded down to a multiple of ``max(lengths)``."""
+    longest = max(lengths)
+    n = (min(tokens, available - 1) // longest) * longest
+    if n < longest:
+        raise ValueError(f"validation split {name!r} has {available} tokens; evaluating at length {longest} "
+                         f"needs at least {longest + 1} (and tokens >= {longest}, got {tokens})")
+    return n
+
+
+def window_starts(n_scored: int, length: int) -> list[int]:
+    """Start offsets of the back-to-back windows of ``length`` covering ``n_scored`` targets."""
+    if n_scored % length:
+        raise ValueError(f"n_scored ({n_scored}) must be a multiple of length ({length})")
+    return list(range(0, n_scored, length))
+
+
+def scored_target_positions(n_scored: int, length: int) -> np.ndarray:
+    """Indices into the split of every scored target, in window order (for tests and audits)."""
+    return np.concatenate([np.arange(s + 1, s + length + 1) for s in window_starts(n_scored, length)])
+
+
+def bits_per_byte(total_nll: float, n_bytes: int) -> float:
+    """``sum NLL (nats) / (ln 2 * bytes)``."""
+    if n_bytes <= 0:
+        raise ValueError(f"bits per byte needs a positive byte count, got {n_bytes}")
+    return total_nll / (math.log(2) * n_bytes)
+
+
+def count_bytes(tokenizer, targets: np.ndarray) -> int:
+    """UTF-8 bytes of the scored targets (byte tokenizer: non-eos tokens; else: decoded text)."""
+    if getattr(tokenizer, "name", None) == "byte":
+        return int(np.count_nonzero(np.asarray(targets) != tokenizer.eos_id))
+    return len(tokenizer.decode(np.asarray(targets).tolist()).encode("utf-8"))
+
+
+def bucket_edges(length: int, buckets: int) -> list[int]:
+    nb = min(buckets, length)
+    return [round(i * length / nb) for i in range(nb + 1)]
+
+
+def position_buckets(pos_sum: np.ndarray, per_position_count: int, buckets: int) -> list[dict]:
+    """Mean loss of positions ``[start, end)`` for ``min(buckets, L)`` equal spans of the window."""
+    edges = bucket_edges(len(pos_sum), buckets)
+    return [{"start": a, "end": b, "loss": float(pos_sum[a:b].sum() / ((b - a) * per_position_count))}
+            for a, b in zip(edges[:-1], edges[1:])]
+
+
+def safe_exp(x: float) -> float:
+    return math.exp(x) if x < 700 else float("inf")
+
+
+# ----------------------------------------------------------------------------- model hooks
+def _layers(model) -> list:
+    return list(model.layers()) if hasattr(model, "layers") else []
+
+
+@contextlib.contextmanager
+def reach_mode(model, reach: str):
+    """Set every attention layer's ``reach`` for the duration (``study`` | ``train``), then restore."""
+    if reach not in REACH_MODES:
+        raise ValueError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
+    saved = [(layer, layer.reach) for layer in _layers(model)]
+    for layer, _ in saved:
+        if reach == "train" and layer.reach_len is None:
+            raise ValueError("reach='train' needs the layers' training length (reach_len); this model has none")
+        layer.reach = reach
+    try:
+        yield
+    finally:
+        for layer, old in saved:
+            layer.reach = old
+
+
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: int) -> torch.Tensor:
+    """Causal attention where query ``i`` sees keys ``i-band+1 .. i``; q ``(B,H,T,Dh)``, k/v ``(B,Hkv,T,Dh)``."""
+    T = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if T <= band:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    out = torch.empty_like(q)
+    for s in range(0, T, band):
+        e = min(s + band, T)
+        ks = max(0, s - band + 1)
+        d = torch.arange(s, e, device=q.device)[:, None] - torch.arange(ks, e, device=q.device)[None, :]
+        mask = (d >= 0) & (d < band)
+        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e],
+                                                        attn_mask=mask, enable_gqa=gqa)
+    return out
+
+
+@contextlib.contextmanager
+def dense_window_mode(model, band: int):
+    """Make every dense layer attend distances ``0..band-1`` only (restored afterwards)."""
+    check_int("dense window", band, 1)
+    layers = _layers(model)
+    if not layers or any(layer.attention != "dense" for layer in layers):
+        raise ValueError("--dense-window needs a dense model (model.attention=dense); this one is sparse or has no "
+                         "attention layers")
+    for layer in layers:
+        layer.attend = lambda q, k, v: banded_attention(q, k, v, band)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.attend
+
+
+def token_nll(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-token NLL ``(B, L)`` in float32; a FibLM's head runs in chunks to bound logits memory."""
+    if hasattr(model, "hidden") and hasattr(model, "embed"):
+        h = model.hidden(x)
+        weight = model.embed.weight
+        chunk = max(1, _LOGIT_ELEMS // max(1, x.shape[0] * weight.shape[0]))
+        parts = []
+        for c in range(0, x.shape[1], chunk):
+            logits = F.linear(h[:, c:c + chunk], weight).float()
+            parts.append(F.cross_entropy(logits.transpose(1, 2), y[:, c:c + chunk], reduction="none"))
+        return torch.cat(parts, dim=1)
+    logits = model(x)
+    return F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+
+
+def _model_device(model) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16 here, got {precision!r}")
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class EvalRecord:
+    """One (dataset, length, mode) result. ``mode`` is the reach, or ``dense-window``."""
+
+    dataset: str
+    length: int
+    reach: str
+    mode: str
+    tokens: int
+    windows: int
+    nll: float
+    ppl: float
+    bpb: float | None
+    bytes: int | None
+    dense_window: int | None
+    train_len: int | None
+    scored_sha256: str
+    buckets: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def key(self) -> tuple:
+        return (self.dataset, self.length, self.mode)
+
+
+@dataclass
+class EvalReport:
+    records: list = field(default_factory=list)
+    datasets: dict = field(default_factory=dict)     # name -> {tokens, bytes, sha256, first, last}
+    settings: dict = field(default_factory=dict)
+
+    def record(self, dataset: str, length: int) -> EvalRecord:
+        for r in self.records:
+            if r.dataset == dataset and r.length == length:
+                return r
+        raise KeyError(f"no result for dataset {dataset!r} at length {length}")
+
+    def fairness_lines(self) -> list[str]:
+        lengths = ", ".join(str(n) for n in self.settings.get("lengths", []))
+        return [f"{name}: scored the same {d['tokens']} target tokens (split positions {d['first']}..{d['last']}, "
+                f"sha256 {d['sha256'][:12]}) at every length ({lengths}); every window position is scored"
+                for name, d in self.datasets.items()]
+
+    def table(self) -> str:
+        rows = ["| dataset | length | mode | tokens | windows | ppl | bpb |", "|---|---|---|---|---|---|---|"]
+        for r in self.records:
+            bpb = "—" if r.bpb is None else f"{r.bpb:.4f}"
+            rows.append(f"| {r.dataset} | {r.length} | {r.mode} | {r.tokens} | {r.windows} | {r.ppl:.3f} | {bpb} |")
+        return "\n".join(rows)
+
+    def to_dict(self) -> dict:
+        return {"settings": self.settings, "datasets": self.datasets, "results": [asdict(r) for r in self.records]}
+
+
+# ----------------------------------------------------------------------------- the evaluation
+def _check_arrays(token_arrays) -> dict:
+    if not isinstance(token_arrays, dict) or not token_arrays:
+        raise ValueError("token_arrays must be a non-empty dict {split name: 1-D token array}")
+    out = {}
+    for name, arr in token_arrays.items():
+        a = np.asarray(arr)
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"validation split {name!r} must be a 1-D integer token array, got "
+                             f"shape {a.shape} dtype {a.dtype}")
+        out[name] = a
+    return out
+
+
+def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, precision: str,
+                  device: torch.device) -> np.ndarray:
+    """Summed NLL per window position ``(L,)`` over the ``n / L`` windows of ``length``."""
+    pos_sum = np.zeros(length, dtype=np.float64)
+    starts = window_starts(n, length)
+    for j in range(0, len(starts), batch_size):
+        chunk = starts[j:j + batch_size]
+        x = torch.from_numpy(np.stack([arr[s:s + length] for s in chunk]).astype(np.int64)).to(device)
+        y = torch.from_numpy(np.stack([arr[s + 1:s + length + 1] for s in chunk]).astype(np.int64)).to(device)
+        with _autocast(precision, device):
+            nll = token_nll(model, x, y)
+        if not torch.isfinite(nll).all():
+            raise FloatingPointError(f"non-finite loss at length {length}, windows starting {chunk[0]}..{chunk[-1]}")
+        pos_sum += nll.double().sum(0).cpu().numpy()
+    return pos_sum
+
+
+def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach: str = "study",
+             batch_size: int = 4, dense_window: bool = False, tokenizer=None, buckets: int = 32,
+             precision: str = "fp32") -> EvalReport:
+    """Perplexity (and bits per byte with a ``tokenizer``) of ``model`` on each split at each length.
+
+    ``model``: a :class:`fibattn.model.lm.FibLM`, or any module mapping ``(B, L)`` ids to
+    ``(B, L, V)`` logits. Runs in eval mode under ``torch.inference_mode`` on the model's
+    device; the model's training flag and layer settings are restored afterwards.
+    """
+    lengths = check_lengths(lengths)
+    tokens = check_int("tokens", tokens, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
+    buckets = check_int("buckets", buckets, 1)
+    arrays = _check_arrays(token_arrays)
+    cfg = getattr(model, "cfg", None)
+    train_len = getattr(cfg, "seq_len", None)
+    limit = getattr(cfg, "max_seq_len", None)
+    if limit is not None and max(lengths) > limit:
+        raise ValueError(f"evaluation length {max(lengths)} exceeds model.max_seq_len={limit}")
+    mode = WINDOW_MODE if dense_window else reach
+    if dense_window and train_len is None:
+        raise ValueError("dense_window needs a model with cfg.seq_len (the training length)")
+    device = _model_device(model)
+    report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach, "mode": mode,
+                                  "dense_window": train_len if dense_window else None, "batch_size": batch_size,
+                                  "buckets": buckets, "precision": precision, "device": str(device),
+                                  "train_len": train_len})
+    was_training = model.training
+    model.eval()
+    window = dense_window_mode(model, train_len) if dense_window else contextlib.nullcontext()
+    try:
+        with torch.inference_mode(), reach_mode(model, reach), window:
+            for name, arr in arrays.items():
+                _evaluate_split(model, report, name, arr, lengths, tokens, batch_size, tokenizer, buckets,
+                                precision, device)
+    finally:
+        model.train(was_training)
+    return report
+
+
+def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengths: list[int], tokens: int,
+                    batch_size: int, tokenizer, buckets: int, precision: str, device: torch.device) -> None:
+    s = report.settings
+    n = scored_budget(len(arr), tokens, lengths, name)
+    targets = arr[1:n + 1]
+    nbytes = count_bytes(tokenizer, targets) if tokenizer is not None else None
+    sha = hashlib.sha256(targets.astype(np.int64).tobytes()).hexdigest()
+    report.datasets[name] = {"tokens": n, "bytes": nbytes, "sha256": sha, "first": 1, "last": n}
+    for length in lengths:
+        t0 = time.perf_counter()
+        pos_sum = _score_length(model, arr, n, length, batch_size, precision, device)
+        total = float(pos_sum.sum())
+        mean = total / n
+        rec = EvalRecord(dataset=name, length=length, reach=s["reach"], mode=s["mode"], tokens=n,
+                         windows=n // length, nll=mean, ppl=safe_exp(mean),
+                         bpb=bits_per_byte(total, nbytes) if nbytes else None, bytes=nbytes,
+                         dense_window=s["dense_window"], train_len=s["train_len"], scored_sha256=sha,
+                         buckets=position_buckets(pos_sum, n // length, buckets),
+                         seconds=round(time.perf_counter() - t0, 3))
+        report.records.append(rec)
+        log.info("fibattn eval: %s @ %d (%s): ppl %.3f over %d tokens in %.1fs", name, length, rec.mode, rec.ppl, n,
+                 rec.seconds)

@@ -1,0 +1,201 @@
+"""Evaluating a run folder: load the checkpoint and its validation splits, evaluate, store.
+
+Outputs (all atomic):
+
+- ``RUN/eval.json`` (or ``--json OUT``): merged with what is there; a new result replaces
+  the old one with the same ``(dataset, length, mode)``; ``mode`` is the reach
+  (``study`` | ``train``) or ``dense-window``. Each result holds ppl, bpb, the scored token
+  count and hash, and the per-position loss buckets.
+- the results DB (``eval_results``; default ``<parent of RUN>/results.sqlite``, as the
+  trainer's): one row per result, ``reach`` column = ``mode``, the rest of the record as JSON.
+- ``RUN/eval_positions_<mode>.png``: per-position loss, one panel per dataset, one line per length.
+- learned schedules: ``RUN/alphas.md`` and ``RUN/alphas.png`` (:mod:`fibattn.eval.alphas`).
+
+The command is ``fibattn eval`` (:mod:`fibattn.cli.eval`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from . import perplexity as E
+from ..devices import resolve_device
+from ..files import atomic_write_text
+
+log = logging.getLogger("fibattn")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    if precision == "auto":
+        chosen = "bf16" if device.type == "cuda" else "fp32"
+        E._log_once("fibattn eval: --precision auto -> %s on %s", chosen, device.type)
+        return chosen
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+    return precision
+
+
+def run_folder(path) -> Path:
+    """The run folder of ``path`` (a run folder, or one of its ``checkpoints/step-N`` folders)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"run folder {p} does not exist")
+    if not p.is_dir():
+        raise ValueError(f"run {p} is not a folder")
+    if p.parent.name == "checkpoints" and (p / "meta.json").is_file():
+        return p.parent.parent
+    return p
+
+
+def open_data(data, cfg):
+    """A ``TokenData``-like object: ``data`` itself, a folder path, or the run's ``data.out_dir``."""
+    from ..data import TokenData
+    if data is not None and not isinstance(data, (str, Path)):
+        return data
+    path = Path(data) if data is not None else Path(cfg.data.out_dir)
+    if not path.is_dir():
+        where = "--data" if data is not None else "the run's data.out_dir"
+        raise FileNotFoundError(f"validation data not found at {path} ({where}); pass --data DIR, the prepared "
+                                f"data folder (fibattn prepare)")
+    return TokenData(path)
+
+
+def pick_datasets(names, available: list[str]) -> list[str]:
+    if not names:
+        return list(available)
+    bad = [n for n in names if n not in available]
+    if bad:
+        raise ValueError(f"unknown dataset {bad[0]!r} for --datasets (validation splits: {', '.join(available)})")
+    return list(dict.fromkeys(names))
+
+
+# ----------------------------------------------------------------------------- outputs
+def merge_json(path, run: str, step, report: E.EvalReport, extra: dict | None = None) -> dict:
+    """Merge ``report`` into the JSON file at ``path`` (atomic); returns the merged document."""
+    path = Path(path)
+    doc = {"format": 1, "run": run, "results": []}
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+            assert isinstance(doc, dict) and isinstance(doc.get("results"), list)
+        except (json.JSONDecodeError, AssertionError):
+            raise ValueError(f"{path} exists but is not an eval JSON file; move it away or pass --json OUT") from None
+    new = {(r.dataset, r.length, r.mode): {**asdict(r), "step": step} for r in report.records}
+    kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length"), r.get("mode")) not in new]
+    doc["results"] = sorted(kept + list(new.values()), key=lambda r: (r["dataset"], r["mode"], r["length"]))
+    doc["run"] = run
+    doc.setdefault("datasets", {}).update(report.datasets)
+    doc["last_settings"] = {**report.settings, "step": step}
+    doc.update(extra or {})
+    atomic_write_text(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    return doc
+
+
+def log_to_db(db_path, run: str, step, report: E.EvalReport) -> None:
+    from ..storage.results import ResultsDB
+    with ResultsDB(db_path) as db:
+        for r in report.records:
+            extra = {k: v for k, v in asdict(r).items() if k not in ("ppl", "bpb", "tokens")}
+            db.log_eval(run, r.dataset, r.length, r.mode, ppl=r.ppl, bpb=r.bpb, tokens=r.tokens,
+                        extra={**extra, "step": step})
+
+
+def plot_positions(report: E.EvalReport, path, title: str) -> Path:
+    from ..plots import Panel, Series, save_panels
+    panels = []
+    for name in report.datasets:
+        series = []
+        for r in (r for r in report.records if r.dataset == name):
+            xs = [(b["start"] + b["end"]) / 2 for b in r.buckets]
+            series.append(Series(f"L={r.length}", xs, [b["loss"] for b in r.buckets], marker="."))
+        panels.append(Panel(name, "position in window", "mean loss (nats)", series))
+    return save_panels(path, panels, suptitle=title)
+
+
+def _db_path(db: str, run_dir: Path, cfg):
+    from ..storage.results import resolve_db_path
+    if db:
+        return resolve_db_path(run_dir, db)
+    return resolve_db_path(run_dir, cfg.train.results_db)
+
+
+# ----------------------------------------------------------------------------- API
+def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=None, reach=None,
+                 dense_window: bool = False, batch_size=None, device: str | None = None, precision: str = "auto",
+                 data=None, json_out=None, db: str = "", plot: bool = True, buckets: int = 32,
+                 alpha_report: bool = True) -> E.EvalReport:
+    """Evaluate a run folder's checkpoint; settings default to the run's ``eval`` config.
+
+    ``db``: ``""`` (the run's results DB), a path, or ``"off"``. ``data``: a prepared
+    data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
+    ``auto | cpu | cuda | cuda:N`` (default: the run's ``train.device``).
+    """
+    from . import alphas as A
+    from .. import plots
+    from ..storage.results import run_key
+    from ..storage.runs import load_run
+    folder = run_folder(run_dir)
+    if lengths is not None:
+        E.check_lengths(lengths)
+    if reach is not None and reach not in E.REACH_MODES:
+        raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
+    if device is not None:
+        resolve_device(device)                                   # a bad --device fails before loading
+    model, cfg, tokenizer = load_run(run_dir, step, device="cpu")
+    dev = resolve_device(device if device is not None else cfg.train.device)
+    prec = resolve_precision(precision, dev)
+    model.to(dev)
+    ck_step = _checkpoint_step(run_dir, step)
+    ev = cfg.eval
+    td = open_data(data, cfg)
+    _check_data_matches(td, cfg, run_dir, step)
+    names = pick_datasets(datasets if datasets is not None else ev.datasets, list(td.val_names))
+    report = E.evaluate(model, {n: td.val_tokens(n) for n in names}, lengths or ev.lengths,
+                        tokens=tokens if tokens is not None else ev.tokens, reach=reach or ev.reach,
+                        batch_size=batch_size if batch_size is not None else ev.batch_size,
+                        dense_window=dense_window, tokenizer=tokenizer or getattr(td, "tokenizer", None),
+                        buckets=buckets, precision=prec)
+    run = run_key(folder)
+    report.settings.update(run=run, step=ck_step, run_dir=str(folder))
+    extra = {}
+    if alpha_report and A.is_learned(cfg.model):
+        ar = A.report_for_run(folder, model, cfg, db_path=_db_path(db, folder, cfg), end_step=ck_step)
+        A.write_report(ar, folder, plot=plot)
+        extra["alphas"] = ar.to_dict()
+        report.settings["alpha_report"] = ar.markdown()
+    merge_json(Path(json_out) if json_out else folder / E.EVAL_JSON, run, ck_step, report, extra)
+    db_path = _db_path(db, folder, cfg)
+    if db_path is not None:
+        log_to_db(db_path, run, ck_step, report)
+    if plot:
+        if plots.available():
+            mode = report.settings["mode"]
+            plot_positions(report, folder / f"eval_positions_{mode}.png", f"{run} (step {ck_step}), {mode}")
+        else:
+            plots.warn_unavailable("the per-position loss plot")
+    return report
+
+
+def _check_data_matches(td, cfg, run_dir, step) -> None:
+    """The validation data must use the run's tokenizer (checkpoint copy) and fit its vocabulary."""
+    from ..data.tokenizers import tokenizer_sha256
+    from ..storage.runs import find_checkpoint
+    vocab = getattr(td, "vocab_size", None)
+    if vocab is not None and vocab > cfg.model.vocab_size:
+        raise ValueError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
+                         f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's tokenizer")
+    want = ((getattr(td, "manifest", None) or {}).get("tokenizer") or {}).get("sha256")
+    ck_tok = find_checkpoint(run_dir, step) / "tokenizer.json"
+    if want and ck_tok.is_file() and tokenizer_sha256(ck_tok) != want:
+        raise ValueError(f"--data {getattr(td, 'path', '')}: its tokenizer does not match the run's ({ck_tok}); "
+                         f"evaluate on data prepared with the run's tokenizer")
+
+
+def _checkpoint_step(run_dir, step):
+    from ..storage.checkpoint import Checkpoint
+    from ..storage.runs import find_checkpoint
+    return Checkpoint.open(find_checkpoint(run_dir, step)).step

@@ -1,0 +1,358 @@
+"""Streaming generation with constant-memory sparse KV caches, and ``fibattn generate``.
+
+Layout: prompt rows are lists of token ids (any lengths); hidden states ``(B, T, C)``;
+a decode step takes one token per row ``(B,)`` at per-row positions ``pos`` ``(B,)`` and
+returns logits ``(B, V)``. Caches: see :mod:`fibattn.generation.kvcache`.
+
+Semantics. All distance sets are those of a full forward pass at the generation's
+*context* ``N`` (default: longest prompt + ``max_new_tokens``), built once: ring sizes
+come from ``D(N)`` (for ``reach="study"`` a ``fib`` set stops growing once every rung
+fits, a ``pow2`` set grows like ``log N``; with ``reach="train"`` the set is fixed).
+So the logits of every step equal those of one full forward pass over the generated
+text at length ``N``. Whenever a layer's set at a shorter length is the set at ``N``
+cut to the shorter cap -- every ``fib`` / ``custom`` base, dense layers, ``pow2`` with
+``alpha >= 1`` -- the model is prefix-stable and every step also equals
+``model(tokens_so_far)[:, -1]``. (``pow2`` with ``alpha < 1`` is not: its base grows
+with the length, so earlier positions change as ``T`` grows; there the context matters.)
+
+Batches: each prompt is prefilled alone (rows of equal length together), then rows decode
+together at their own positions; row ``r`` equals a single run of prompt ``r`` with the
+same ``context`` and seed ``seeds[r]`` (an int ``seed`` gives row ``r`` the seed ``seed + r``).
+"""
+from __future__ import annotations
+
+import codecs
+import logging
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import check_int
+from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
+from ..ops import interpolated_sparse_attention, sparse_attention
+
+log = logging.getLogger("fibattn")
+
+
+# ----------------------------------------------------------------------------- arguments
+@dataclass(frozen=True)
+class Sampling:
+    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        check_int("top_k", self.top_k, 0)
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+
+
+@dataclass
+class GenerationStep:
+    """One decode step. ``tokens`` ``(B,)`` int64 on CPU, -1 for rows that had already
+    stopped; ``finished`` ``(B,)``: the row produces no more tokens after this step;
+    ``logits`` ``(B, V)`` float32: the raw logits the tokens were sampled from."""
+
+    index: int
+    tokens: torch.Tensor
+    finished: torch.Tensor
+    logits: torch.Tensor
+
+
+def _prompt_rows(prompt_ids, vocab: int) -> list[list[int]]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() not in (1, 2):
+            raise ValueError(f"prompt_ids must be 1-D (T,) or 2-D (B, T), got shape {tuple(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    rows = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+    if rows is None:
+        raise ValueError(f"prompt_ids must be a list of token ids, a list of such lists or a tensor, "
+                         f"got {type(prompt_ids).__name__}")
+    if not rows:
+        raise ValueError("prompt_ids is empty: give at least one token")
+    if not isinstance(rows[0], (list, tuple)):
+        rows = [rows]
+    out = []
+    for r, row in enumerate(rows):
+        row = list(row)
+        if not row:
+            raise ValueError(f"prompt_ids row {r} is empty: every prompt needs at least one token")
+        for t in row:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_ids must hold integer token ids in [0, {vocab}), got {t!r} in row {r}")
+        out.append([int(t) for t in row])
+    return out
+
+
+def _generators(seed, batch: int) -> list[torch.Generator]:
+    if seed is None:
+        gens = [torch.Generator() for _ in range(batch)]
+        for g in gens:
+            g.seed()
+        return gens
+    seeds = [seed + r for r in range(batch)] if isinstance(seed, int) and not isinstance(seed, bool) else seed
+    if not isinstance(seeds, (list, tuple)) or len(seeds) != batch:
+        raise ValueError(f"seed must be an integer >= 0 or a list of {batch} such integers (one per row), got {seed!r}")
+    return [torch.Generator().manual_seed(check_int("seed", s, 0)) for s in seeds]
+
+
+# ----------------------------------------------------------------------------- the engine
+def _qkv_at(attn, h: torch.Tensor, groups):
+    """The layer's own projections + RoPE for one new token per row at per-row positions."""
+    if len(groups) == 1:
+        return attn.qkv(h, groups[0][1])
+    parts = [(idx, attn.qkv(h[idx], p)) for idx, p in groups]
+    out = []
+    for j in range(3):
+        t = parts[0][1][j]
+        full = t.new_empty(h.shape[0], *t.shape[1:])
+        for idx, qkv in parts:
+            full[idx] = qkv[j]
+        out.append(full)
+    return out
+
+
+class DecodeSession:
+    """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
+
+    def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None):
+        for name in ("embed", "blocks", "norm"):
+            if not hasattr(model, name):
+                raise ValueError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
+        max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+        if max_len is not None and context > max_len:
+            raise ValueError(f"context {context} (prompt + max_new_tokens) exceeds model.max_seq_len={max_len}")
+        if dense_window is not None:
+            check_int("dense_window", dense_window, 1)
+        self.model, self.batch, self.context = model, batch, context
+        p = model.embed.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.layers: list[LayerState] = []
+        for block in model.blocks:
+            attn = block.attn
+            plan = layer_read_plan(attn, context, dense_window)
+            dims = (batch, attn.n_kv_heads, attn.head_dim)
+            if plan is None:
+                cache = FullCache(*dims, context, dtype=self.dtype, device=self.device)
+            else:
+                cache = RingCache(*dims, min(plan.span, context), dtype=self.dtype, device=self.device)
+            self.layers.append(LayerState.build(plan, cache, self.device))
+        self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in self.layers)
+
+    @property
+    def cache_rows(self) -> list[int]:
+        return [s.cache.rows for s in self.layers]
+
+    def random_history(self, length: int, generator: torch.Generator | None = None) -> None:
+        """Benchmarks: put every row at position ``length - 1`` with random cached keys/values
+        (the cache a prefill of ``length`` tokens would leave, without running it)."""
+        if not 1 <= length < self.context:
+            raise ValueError(f"length must be in [1, context={self.context}), got {length}")
+        for state in self.layers:
+            if isinstance(state.cache, FullCache):
+                state.cache.randomize(length, generator)
+            else:
+                state.cache.randomize(generator)
+        self.pos.fill_(length - 1)
+
+    # ------------------------------------------------------------------ prefill
+    def _prefill_core(self, attn, state: LayerState, q, k, v):
+        if state.plan is None:
+            return attn.attend(q, k, v)
+        if attn.attention == "dense" or not attn.learned:
+            return sparse_attention(q, k, v, list(state.plan.entries), backend=attn.backend)
+        base = learned_prefill_base(attn, self.context)
+        if not base:
+            return sparse_attention(q, k, v, list(state.plan.first), backend=attn.backend)
+        return interpolated_sparse_attention(q, k, v, alpha=attn.alpha_tensor(), base=base, window=attn.window,
+                                             backend=attn.backend)
+
+    def prefill(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """Run prompts ``ids`` ``(b, T)`` (one length) into batch rows ``rows``; last logits ``(b, V)``."""
+        model = self.model
+        x = model.embed(ids.to(self.device))
+        for block, state in zip(model.blocks, self.layers):
+            attn = block.attn
+            q, k, v = attn.qkv(block.attn_norm(x), 0)
+            y = self._prefill_core(attn, state, q, k, v)
+            for j, row in enumerate(rows):
+                state.cache.fill(row, k[j:j + 1], v[j:j + 1])
+            x = x + attn.merge(y)
+            x = x + block.ffn(block.ffn_norm(x))
+        self.pos[rows] = ids.shape[1] - 1
+        return F.linear(model.norm(x[:, -1:]), model.embed.weight)[:, 0].float()
+
+    # ------------------------------------------------------------------ decode
+    def _position_groups(self) -> list[tuple[torch.Tensor | None, int]]:
+        """Rows sharing a position (one group, index ``None``, when all rows agree)."""
+        where: dict[int, list[int]] = {}
+        for r, p in enumerate(self.pos.tolist()):
+            where.setdefault(p, []).append(r)
+        if len(where) == 1:
+            return [(None, next(iter(where)))]
+        return [(torch.tensor(rows, device=self.device), p) for p, rows in where.items()]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row at position ``pos + 1``; logits ``(B, V)``."""
+        model = self.model
+        self.pos += 1
+        pos = self.pos
+        groups = self._position_groups()
+        max_pos = max(p for _, p in groups)
+        at = Positions(pos, min(p for _, p in groups), max_pos)
+        if max_pos >= self.context:
+            raise ValueError(f"position {max_pos} is past the context {self.context}")
+        B = tokens.shape[0]
+        x = model.embed(tokens.to(self.device).view(B, 1))
+        for block, state in zip(model.blocks, self.layers):
+            attn = block.attn
+            q, k, v = _qkv_at(attn, block.attn_norm(x), groups)
+            y = attend_step(state, q, k, v, at)
+            x = x + attn.merge(y)
+            x = x + block.ffn(block.ffn_norm(x))
+        return F.linear(model.norm(x), model.embed.weight)[:, 0].float()
+
+
+# ----------------------------------------------------------------------------- sampling
+def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Next token per row ``(B,)`` int64 from logits ``(B, V)``; one generator per row."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    x = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < x.shape[-1]:
+        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs, order = torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True, stable=True)
+    if sampling.top_p < 1:
+        before = torch.cumsum(probs, dim=-1) - probs           # mass of strictly more likely tokens
+        probs = probs.masked_fill(before >= sampling.top_p, 0.0)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    u = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    j = torch.searchsorted(cdf, u, right=True)
+    kept = (probs > 0).sum(dim=-1, keepdim=True)                 # the kept tokens come first
+    return order.gather(1, torch.minimum(j, kept - 1)).squeeze(1)
+
+
+# ----------------------------------------------------------------------------- the API
+def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed=None, stop_ids: Sequence[int] = (), context: int | None = None,
+             dense_window: int | None = None) -> Iterator[GenerationStep]:
+    """Stream new tokens for one prompt or a batch of prompts of any lengths.
+
+    Yields one :class:`GenerationStep` per step until every row has hit a ``stop_ids``
+    token (which is yielded) or ``max_new_tokens`` steps were taken. Arguments are checked
+    here, before the first step. ``context`` (default: longest prompt + ``max_new_tokens``)
+    fixes the distance sets and cache sizes; ``dense_window`` makes dense layers keep only
+    their last ``w`` positions (an approximation beyond ``w``).
+    """
+    vocab = model.embed.weight.shape[0] if hasattr(model, "embed") else None
+    if vocab is None:
+        raise ValueError(f"generate needs a fibattn FibLM, got {type(model).__name__}")
+    check_int("max_new_tokens", max_new_tokens, 0)
+    sampling = Sampling(temperature, top_k, top_p)
+    rows = _prompt_rows(prompt_ids, vocab)
+    stops = set()
+    for s in stop_ids or ():
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < vocab:
+            raise ValueError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
+        stops.add(s)
+    need = max(len(r) for r in rows) + max_new_tokens
+    if context is None:
+        context = need
+    elif check_int("context", context, 1) < need:
+        raise ValueError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
+    generators = _generators(seed, len(rows))
+    session = DecodeSession(model, len(rows), context, dense_window=dense_window)
+    return _run(session, rows, max_new_tokens, sampling, generators, stops)
+
+
+@torch.no_grad()
+def _run(session: DecodeSession, rows, max_new_tokens, sampling, generators, stops):
+    if max_new_tokens == 0:
+        return
+    B = len(rows)
+    logits = torch.empty(B, session.model.embed.weight.shape[0], device=session.device)
+    by_len: dict[int, list[int]] = {}
+    for r, row in enumerate(rows):
+        by_len.setdefault(len(row), []).append(r)
+    for _, group in sorted(by_len.items()):
+        ids = torch.tensor([rows[r] for r in group], dtype=torch.long)
+        logits[group] = session.prefill(group, ids)
+    done = torch.zeros(B, dtype=torch.bool)
+    stop_t = torch.tensor(sorted(stops), dtype=torch.long)
+    for index in range(max_new_tokens):
+        tokens = sample(logits, sampling, generators).cpu()
+        tokens = tokens.masked_fill(done, -1)
+        now_done = done | torch.isin(tokens, stop_t) if stops else done.clone()
+        last = index == max_new_tokens - 1 or bool(now_done.all())
+        yield GenerationStep(index, tokens, now_done | last, logits)
+        if last:
+            return
+        done = now_done
+        logits = session.step(tokens.clamp_min(0))
+
+
+def generate_tokens(model, prompt_ids, **kwargs) -> list[list[int]]:
+    """All new tokens per row (stop tokens included), collected from :func:`generate`."""
+    steps = list(generate(model, prompt_ids, **kwargs))
+    B = steps[0].tokens.shape[0] if steps else len(_prompt_rows(prompt_ids, model.embed.weight.shape[0]))
+    out: list[list[int]] = [[] for _ in range(B)]
+    for st in steps:
+        for r, t in enumerate(st.tokens.tolist()):
+            if t >= 0:
+                out[r].append(t)
+    return out
+
+
+# ----------------------------------------------------------------------------- text output
+class TextStream:
+    """Incremental detokenizer: ``push(token) -> str`` never splits a UTF-8 character.
+
+    Byte tokenizers go through an incremental UTF-8 decoder; others re-decode a short
+    tail of ids and emit the new text once it no longer ends in a partial character.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos = getattr(tokenizer, "eos_id", None)
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") \
+            if getattr(tokenizer, "name", "") == "byte" else None
+        self.ids: list[int] = []
+        self._prefix = self._read = 0
+
+    def push(self, token: int) -> str:
+        if token == self.eos:
+            return ""
+        if self._bytes is not None:
+            return self._bytes.decode(bytes([token]))
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        text = self.tok.decode(self.ids[self._prefix:])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        if self._bytes is not None:
+            return self._bytes.decode(b"", final=True)
+        before = self.tok.decode(self.ids[self._prefix:self._read])
+        return self.tok.decode(self.ids[self._prefix:])[len(before):]
+
+
+

@@ -1,0 +1,1 @@
+"""Other tools' interfaces: the transformers Llama drop-in and the lm-evaluation-harness adapter."""

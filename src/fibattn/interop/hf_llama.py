@@ -1,0 +1,170 @@
+"""Drop fibattn sparse attention into a Hugging Face ``transformers`` Llama-style model.
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from fibattn.interop.hf_llama import apply_fibattn
+    model = LlamaForCausalLM(LlamaConfig(...))
+    apply_fibattn(model, window=12, base="fib", schedule="linear")    # per-layer alphas 0.5 .. 1.5
+
+How: transformers' attention-function registry. ``apply_fibattn`` registers the function
+:func:`fibattn_attention` under the name ``"fibattn"`` (``AttentionInterface.register``),
+attaches a :class:`LayerSpec` (window, alpha, base, reach) to every attention module --
+the layer index comes from the module's ``layer_idx`` -- and switches the model to
+``attn_implementation="fibattn"``. The registered function receives the attention module
+as its first argument, so it reads that layer's alpha from the module: no module swap is
+needed, the model keeps its own projections, RoPE, KV cache and weights (checkpoints
+stay loadable by plain transformers).
+
+Layout, as transformers passes it: query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv, Tk, Dh)``
+(RoPE already applied); the function returns ``(B, Tq, H, Dh)`` and no weights.
+
+Semantics: the query at position ``i`` attends keys ``i - d`` for ``d`` in the layer's
+``attended_distances(window, alpha, base, Tk, reach=reach_len)``. Without a cache
+(``Tq == Tk``) this is :func:`fibattn.sparse_attention` (O(T·|D|)). With a cache
+(``Tq < Tk``, generation) the last ``Tq`` positions attend through a sparse boolean mask
+over the cached keys: exact, but the cache is transformers' full cache (for
+constant-memory decoding use :func:`fibattn.generation.decode`). Padding masks are not applied:
+use unpadded batches (right padding is harmless for the real tokens' outputs; left
+padding is not supported). Alphas are fixed per layer (``learned`` is not supported here).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import sparse_attention
+from ..schedules import Base, as_base, attended_distances, layer_alphas
+
+log = logging.getLogger("fibattn")
+
+IMPL_NAME = "fibattn"
+SCHEDULES = ("fixed", "linear", "coprime", "custom")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's sparse pattern."""
+
+    layer_idx: int
+    window: int
+    alpha: float
+    base: Base
+    reach_len: int | None = None
+    backend: str = "auto"
+
+    def distances(self, seq_len: int) -> list[int]:
+        return attended_distances(self.window, self.alpha, self.base, seq_len, reach=self.reach_len)
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("fibattn.interop.hf_llama needs transformers: pip install 'fibattn[hf]'") from exc
+    return transformers
+
+
+def _cached_mask(spec: LayerSpec, tq: int, tk: int, device) -> torch.Tensor:
+    """``(Tq, Tk)`` bool: query ``tk - tq + i`` may see key ``j`` when ``pos - j`` is attended."""
+    dist = torch.tensor(spec.distances(tk), device=device)
+    pos = torch.arange(tk - tq, tk, device=device)[:, None]
+    gap = pos - torch.arange(tk, device=device)[None, :]
+    return torch.isin(gap, dist) & (gap >= 0)
+
+
+def fibattn_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """The function registered as ``"fibattn"``; see the module docstring."""
+    spec = getattr(module, "fibattn_spec", None)
+    if not isinstance(spec, LayerSpec):
+        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no fibattn "
+                         f"spec: call fibattn.interop.hf_llama.apply_fibattn(model, ...) instead of setting "
+                         f"attn_implementation='{IMPL_NAME}' by hand")
+    if dropout:
+        raise ValueError(f"fibattn attention has no dropout; set config.attention_dropout=0, got {dropout}")
+    tq, tk = query.shape[2], key.shape[2]
+    if tq == tk:
+        out = sparse_attention(query, key, value, spec.distances(tk), scale=scaling, backend=spec.backend)
+    else:
+        mask = _cached_mask(spec, tq, tk, query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register :func:`fibattn_attention` as ``"fibattn"`` with transformers (idempotent)."""
+    transformers = _require_transformers()
+    if not hasattr(transformers, "AttentionInterface"):
+        raise ImportError(f"fibattn.interop.hf_llama needs transformers >= 4.48 (AttentionInterface); found "
+                          f"{transformers.__version__}")
+    transformers.AttentionInterface.register(IMPL_NAME, fibattn_attention)
+
+
+def attention_modules(model) -> list:
+    """The model's self-attention modules in layer order (modules with ``layer_idx`` and ``q_proj``)."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "q_proj")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def plan_alphas(n_layers: int, schedule: str, *, a_min: float = 0.5, a_max: float = 1.5, alpha: float = 1.0,
+                alphas=None) -> list[float]:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)} (learned alphas are not supported in "
+                         f"the transformers drop-in), got {schedule!r}")
+    if schedule == "custom" and (alphas is None or len(alphas) != n_layers):
+        raise ValueError(f"schedule='custom' needs alphas: a list of {n_layers} values (one per layer), got {alphas!r}")
+    return layer_alphas(schedule, n_layers, a_min=a_min, a_max=a_max, value=alpha,
+                        values=list(alphas) if alphas is not None else None)
+
+
+def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linear", a_min: float = 0.5,
+                  a_max: float = 1.5, alpha: float = 1.0, alphas=None, reach_len: int | None = None,
+                  backend: str = "auto"):
+    """Switch a transformers Llama-style model to fibattn attention in place; returns the model.
+
+    ``base``: ``"fib"``, ``"pow2"``, a :class:`fibattn.schedules.Base` or a list of integers;
+    ``schedule``: fixed | linear | coprime | custom (``alphas``, one per layer);
+    ``reach_len``: cap distances at ``reach_len - 1`` (SPEC §1 ``reach="train"``); ``None``
+    rebuilds them at every length (the study's behaviour).
+    """
+    register()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer >= 0, got {window!r}")
+    if reach_len is not None and (isinstance(reach_len, bool) or not isinstance(reach_len, int) or reach_len < 1):
+        raise ValueError(f"reach_len must be None or an integer >= 1, got {reach_len!r}")
+    layers = attention_modules(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx and q_proj "
+                         f"(a Llama-style transformers model is expected)")
+    idx = [m.layer_idx for m in layers]
+    if idx != list(range(len(layers))):
+        raise ValueError(f"attention layer indices must be 0..{len(layers) - 1}, got {idx}")
+    base = as_base(base)
+    values = plan_alphas(len(layers), schedule, a_min=a_min, a_max=a_max, alpha=alpha, alphas=alphas)
+    for module, a in zip(layers, values):
+        module.fibattn_spec = LayerSpec(module.layer_idx, window, float(a), base, reach_len, backend)
+    _set_impl(model, IMPL_NAME)
+    wrong = [m.layer_idx for m in layers if m.config._attn_implementation != IMPL_NAME]
+    if wrong:
+        raise ValueError(f"could not switch layers {wrong} to attn_implementation='{IMPL_NAME}'")
+    log.info("fibattn.interop.hf_llama: %d layers, window %d, base %s, schedule %s, alphas %s", len(layers), window,
+             base.kind, schedule, [round(a, 4) for a in values])
+    return model
+
+
+def remove_fibattn(model, implementation: str = "sdpa"):
+    """Back to a built-in attention (``sdpa`` or ``eager``); the specs are removed."""
+    for module in attention_modules(model):
+        if hasattr(module, "fibattn_spec"):
+            del module.fibattn_spec
+    _set_impl(model, implementation)
+    return model
+
+
+def _set_impl(model, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:                                   # older transformers: the config field is read per call
+        model.config._attn_implementation = name

@@ -1,0 +1,244 @@
+"""EleutherAI lm-evaluation-harness adapter: ``lm_eval --model fibattn``.
+
+    python -m fibattn.interop.lm_eval_adapter --model fibattn \\
+        --model_args path=RUN_OR_EXPORT,max_length=4096 --tasks wikitext
+
+Importing this module registers the model name ``fibattn`` with lm-eval (when lm-eval is
+installed); the ``python -m fibattn.interop.lm_eval_adapter`` wrapper imports it and then runs
+lm-eval's own command line with the remaining arguments. From Python, ``import
+fibattn.interop.lm_eval_adapter`` before ``lm_eval.simple_evaluate(model="fibattn", ...)``.
+
+The scoring lives in :class:`FibScorer`, which does not need lm-eval:
+
+- ``loglikelihood(context, continuation) -> (logprob, is_greedy)``: the summed log-probs
+  of the continuation tokens after the context (left-truncated to ``max_length`` inputs);
+  an empty context is replaced by the end-of-document token. Trailing whitespace of the
+  context moves to the continuation (the harness's convention for BPE).
+- ``loglikelihood_rolling(text)``: the text's tokens after an end-of-document prefix are
+  cut into windows of ``max_length`` predictions; every token is scored exactly once. A
+  window's inputs are the ``max_length`` tokens before its predictions (the first window
+  starts at the prefix; a short last window keeps a full ``max_length`` context).
+- ``generate_until(context, gen_kwargs)``: streaming decoding through
+  :func:`fibattn.generation.decode.generate` (constant-memory caches), stopping at the first
+  ``until`` string (cut off), the end-of-document token or ``max_gen_toks`` tokens; greedy
+  unless ``do_sample`` with a ``temperature`` > 0.
+
+Layout: token id lists; model inputs ``(1, T)``; continuation logits ``(n, V)``.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..checks import parse_int
+from ..devices import resolve_device as _resolve
+from ..storage.runs import parse_step
+
+log = logging.getLogger("fibattn")
+
+MODEL_NAME = "fibattn"
+DEFAULT_GEN_TOKS = 256
+
+
+@dataclass
+class FibScorer:
+    """Scores text with a FibLM and its tokenizer; the lm-eval class delegates here."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    max_length: int
+
+    def __post_init__(self):
+        self.max_length = parse_int("max_length", self.max_length, 1)
+        limit = self.model.cfg.max_seq_len
+        if self.max_length > limit:
+            raise ValueError(f"max_length must be <= model.max_seq_len={limit}, got {self.max_length}")
+        if getattr(self.tokenizer, "eos_id", None) is None:
+            raise ValueError("the tokenizer needs an end-of-document id (eos_id)")
+        self.eos = int(self.tokenizer.eos_id)
+
+    @classmethod
+    def load(cls, path, *, max_length=None, step="latest", device="cpu") -> "FibScorer":
+        """From an export folder or a run folder; ``max_length`` defaults to the training length."""
+        from ..storage.pretrained import load_model
+        model, tok = load_model(path, step=step, device=device)
+        if tok is None:
+            raise ValueError(f"{path} has no tokenizer; lm-eval needs one (tokenizer.json)")
+        return cls(model, tok, model.cfg.seq_len if max_length is None else max_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed.weight.device
+
+    # ------------------------------------------------------------------ helpers
+    def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Context and continuation ids; trailing context whitespace moves to the continuation."""
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        ctx = self.tokenizer.encode(context)
+        whole = self.tokenizer.encode(context + continuation)
+        if whole[:len(ctx)] != ctx:             # tokenisation changed at the boundary
+            return ctx, self.tokenizer.encode(continuation)
+        return ctx, whole[len(ctx):]
+
+    @torch.no_grad()
+    def score(self, inputs: list[int], targets: list[int]) -> tuple[float, bool]:
+        """Summed log-prob of ``targets`` (the last ``len(targets)`` next-token predictions of
+        ``inputs``) and whether each is the argmax."""
+        n = len(targets)
+        x = torch.tensor([inputs], dtype=torch.long, device=self.device)
+        h = self.model.hidden(x)[0, -n:]
+        logp = F.log_softmax(F.linear(h, self.model.embed.weight).float(), dim=-1)
+        y = torch.tensor(targets, dtype=torch.long, device=self.device)
+        return float(logp.gather(1, y[:, None]).sum()), bool((logp.argmax(-1) == y).all())
+
+    # ------------------------------------------------------------------ the three requests
+    def loglikelihood(self, context: str, continuation: str) -> tuple[float, bool]:
+        ctx, cont = self.encode_pair(context, continuation)
+        if not cont:
+            raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+        if not ctx:
+            ctx = [self.eos]
+        whole = (ctx + cont)[-(self.max_length + 1):]
+        return self.score(whole[:-1], cont[-min(len(cont), self.max_length):])
+
+    def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
+        """``(inputs, targets)`` per window; targets cover ``tokens`` once, in order."""
+        seq = [self.eos] + list(tokens)
+        L, out = self.max_length, []
+        for start in range(0, len(tokens), L):
+            end = min(start + L, len(tokens))
+            out.append((seq[max(0, end - L):end], list(tokens[start:end])))
+        return out
+
+    def loglikelihood_rolling(self, text: str) -> float:
+        tokens = self.tokenizer.encode(text)
+        return sum(self.score(inp, tgt)[0] for inp, tgt in self.rolling_windows(tokens))
+
+    def generate_until(self, context: str, gen_kwargs: dict | None = None) -> str:
+        from ..generation.decode import TextStream, generate
+        kw = dict(gen_kwargs or {})
+        until = kw.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen = parse_int("max_gen_toks", kw.pop("max_gen_toks", DEFAULT_GEN_TOKS), 1)
+        if max_gen >= self.max_length:
+            raise ValueError(f"max_gen_toks must be < max_length={self.max_length}, got {max_gen}")
+        temperature = float(kw.pop("temperature", 0.0) or 0.0)
+        if not kw.pop("do_sample", False):
+            temperature = 0.0
+        seed = kw.pop("seed", 1234)
+        if kw:
+            log.info("fibattn lm-eval: ignoring generation options %s", sorted(kw))
+        prompt = (self.tokenizer.encode(context) or [self.eos])[-(self.max_length - max_gen):]
+        stream, text = TextStream(self.tokenizer), ""
+        for step in generate(self.model, prompt, max_new_tokens=max_gen, temperature=temperature,
+                             seed=seed, stop_ids=(self.eos,)):
+            text += stream.push(int(step.tokens[0]))
+            cut = _first_stop(text, until)
+            if cut is not None:
+                return text[:cut]
+        text += stream.flush()
+        cut = _first_stop(text, until)
+        return text if cut is None else text[:cut]
+
+
+def _first_stop(text: str, until: list[str]) -> int | None:
+    hits = [text.find(s) for s in until if s and s in text]
+    return min(hits) if hits else None
+
+
+# ----------------------------------------------------------------------------- lm-eval glue
+def resolve_device(device) -> str:
+    """``None``/``auto``: cuda when available. lm-eval's default is ``cuda:0`` even on CPU-only
+    machines, so a CUDA device without CUDA becomes ``cpu`` with a logged warning."""
+    name = str(device or "auto")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("fibattn lm-eval: device %s requested (lm-eval's default) but CUDA is not available; "
+                    "using cpu (pass --device cpu to choose it explicitly)", name)
+        name = "cpu"
+    return str(_resolve(name, flag="lm-eval device"))
+
+
+def _request_args(req) -> tuple:
+    return tuple(req.args) if hasattr(req, "args") else tuple(req)
+
+
+def run_requests(scorer: FibScorer, kind: str, requests) -> list:
+    """Answer a list of lm-eval requests (``Instance`` objects or plain argument tuples)."""
+    fn = {"loglikelihood": scorer.loglikelihood, "loglikelihood_rolling": scorer.loglikelihood_rolling,
+          "generate_until": scorer.generate_until}.get(kind)
+    if fn is None:
+        raise ValueError(f"kind must be loglikelihood, loglikelihood_rolling or generate_until, got {kind!r}")
+    return [fn(*_request_args(r)) for r in requests]
+
+
+def _build_lm_class():
+    from lm_eval.api.model import LM
+
+    class FibattnLM(LM):
+        """lm-eval model ``fibattn``: ``--model_args path=RUN_OR_EXPORT[,max_length=N][,step=N][,device=D]``."""
+
+        def __init__(self, path: str | None = None, max_length=None, step="latest", device="cpu",
+                     batch_size=1, max_batch_size=None, **unused):
+            super().__init__()
+            if not path:
+                raise ValueError("fibattn lm-eval model needs model_args path=RUN_OR_EXPORT")
+            if unused:
+                log.info("fibattn lm-eval: ignoring model args %s", sorted(unused))
+            step = parse_step(step or "latest", "model_args step")
+            self.scorer = FibScorer.load(path, max_length=max_length, step=step, device=resolve_device(device))
+
+        @property
+        def max_length(self) -> int:
+            return self.scorer.max_length
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return run_requests(self.scorer, "loglikelihood", requests)
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return run_requests(self.scorer, "loglikelihood_rolling", requests)
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return run_requests(self.scorer, "generate_until", requests)
+
+    return FibattnLM
+
+
+def register() -> type | None:
+    """Register ``fibattn`` with lm-eval (idempotent); ``None`` when lm-eval is not installed."""
+    try:
+        from lm_eval.api import registry
+    except ImportError:
+        return None
+    try:
+        import lm_eval.models  # noqa: F401  (lm-eval's own models register lazily; keep them findable)
+    except ImportError:
+        pass
+    known = registry.MODEL_REGISTRY
+    if MODEL_NAME in known:
+        return known.get(MODEL_NAME)
+    cls = _build_lm_class()
+    registry.register_model(MODEL_NAME)(cls)
+    return cls
+
+
+FibattnLM = register()
+
+
+def main(argv=None) -> int:
+    """``python -m fibattn.interop.lm_eval_adapter <lm_eval args>``: register, then run lm-eval's CLI."""
+    if FibattnLM is None:
+        raise SystemExit("fibattn: lm-eval is not installed: pip install 'fibattn[eval]'")
+    from lm_eval.__main__ import cli_evaluate
+    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    return cli_evaluate() or 0
+
+
+if __name__ == "__main__":
+    import fibattn.interop.lm_eval_adapter as _registered      # the importable module registers the name once
+    raise SystemExit(_registered.main())

@@ -1,0 +1,131 @@
+"""``FibLM``: the pre-norm decoder of SPEC §4.
+
+Layout: token ids ``idx`` ``(B, T)`` int64 -> logits ``(B, T, V)``; hidden states
+``(B, T, C)`` with ``C = d_model``.
+
+Block: ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; SwiGLU hidden is
+``model_cfg.ffn_hidden = 2 * round(d * 8 / 3 / 2)``; a final RMSNorm, and the output
+head reuses the token embedding (tied). No biases, no dropout. Init: normal with
+``init_std``; the two residual projections per block (attention output, FFN down)
+use ``init_std / sqrt(2 * n_layers)`` (GPT-2's scaled init).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import FibAttention
+from ..config import ModelConfig, validate_model
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``: ``(B, T, C) -> (B, T, C)`` through ``hidden``."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, out_std: float):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = FibAttention.from_config(cfg, layer_idx, out_std=out_std)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), offset)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class FibLM(nn.Module):
+    """Decoder-only language model with per-layer sparse (or dense) attention."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(f"FibLM expects a fibattn.config.ModelConfig, got {type(cfg).__name__}")
+        validate_model(cfg)
+        self.cfg = cfg
+        out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, i, out_std) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self._init_weights(out_std)
+
+    def _init_weights(self, out_std: float) -> None:
+        std = self.cfg.init_std
+        nn.init.normal_(self.embed.weight, std=std)
+        for block in self.blocks:
+            block.attn.reset_parameters()
+            nn.init.normal_(block.ffn.gate.weight, std=std)
+            nn.init.normal_(block.ffn.up.weight, std=std)
+            nn.init.normal_(block.ffn.down.weight, std=out_std)
+
+    # ------------------------------------------------------------------ forward
+    def _check_idx(self, idx: torch.Tensor) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            raise ValueError(f"idx must be a (B, T) tensor of token ids, got "
+                             f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"idx must hold integer token ids, got {idx.dtype}")
+        if idx.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                raise ValueError(f"token ids must lie in [0, model.vocab_size={self.cfg.vocab_size}), "
+                                 f"got values in [{lo}, {hi}]")
+
+    def hidden(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Final normalised hidden states ``(B, T, C)``."""
+        self._check_idx(idx)
+        x = self.embed(idx.long())
+        for block in self.blocks:
+            x = block(x, offset)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits ``(B, T, V)``; with ``targets`` ``(B, T)`` also the mean token cross-entropy.
+
+        Target positions equal to -100 are ignored (PyTorch's ``ignore_index``).
+        """
+        h = self.hidden(idx)
+        logits = F.linear(h, self.embed.weight)
+        if targets is None:
+            return logits
+        if targets.shape != idx.shape:
+            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
+        return logits, loss
+
+    # ------------------------------------------------------------------ reports
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the tied embedding counts once, and not at all if ``non_embedding``."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def layers(self) -> list[FibAttention]:
+        return [block.attn for block in self.blocks]
+
+    def alphas(self) -> list[float]:
+        """Current alpha per layer (1.0 for dense attention)."""
+        return [layer.current_alpha() for layer in self.layers()]
+
+    def distances(self, seq_len: int) -> list[list[int]]:
+        """Attended distances per layer at ``seq_len`` (dense: ``0..seq_len-1``)."""
+        return [layer.distances(seq_len) for layer in self.layers()]
+
+    def generate(self, prompt_ids, **kwargs):
+        """Stream new tokens with constant-memory sparse KV caches; see :func:`fibattn.generation.decode.generate`."""
+        from ..generation.decode import generate
+        return generate(self, prompt_ids, **kwargs)

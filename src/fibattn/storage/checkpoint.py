@@ -1,0 +1,266 @@
+"""Checkpoints as safetensors + JSON folders, never pickle.
+
+Layout of ``OUT/checkpoints/step-N/``::
+
+    model.safetensors            the model's state_dict (plain keys, loadable by anyone)
+    <part>.json [+ <part>.safetensors]
+                                 any other state (optimizer, RNG, data loader, trainer)
+                                 through a small codec: tensors and numpy arrays go to the
+                                 safetensors file and are referenced from the JSON
+    meta.json                    written last: format, step and the sha256 + size of every
+                                 other file; its presence marks the checkpoint complete
+
+A checkpoint is written into ``step-N.tmp`` and renamed to ``step-N`` once ``meta.json``
+is in place, so a crash never leaves a folder that looks complete. :func:`verify` checks
+every listed file's size and hash and names the first bad one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
+
+log = logging.getLogger("fibattn")
+
+FORMAT = 1
+META = "meta.json"
+MODEL = "model.safetensors"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is incomplete or corrupted; the message names the folder and file."""
+
+
+# ----------------------------------------------------------------------------- codec
+def _encode(obj: Any, tensors: dict, path: str):
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().to("cpu").clone().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, np.ndarray):
+        tensors[path] = torch.from_numpy(np.ascontiguousarray(obj).copy())
+        return {"__ndarray__": path}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors, f"{path}.{k}") for k, v in obj.items()}
+        if all(isinstance(k, (str, int)) for k in obj):
+            return {"__items__": [[k, _encode(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    raise TypeError(f"cannot store {type(obj).__name__} at {path or 'top level'} in a checkpoint "
+                    f"(allowed: tensors, numpy arrays, numbers, strings, lists, tuples, dicts)")
+
+
+def _decode(obj: Any, tensors: dict):
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__ndarray__" in obj:
+            return tensors[obj["__ndarray__"]].numpy()
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        if "__items__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__items__"]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def encode_state(obj: Any) -> tuple[bytes, bytes | None]:
+    """``(json bytes, safetensors bytes or None)`` for a nested state object."""
+    tensors: dict = {}
+    doc = _encode(obj, tensors, "")
+    text = json.dumps({"format": FORMAT, "state": doc}, indent=1, sort_keys=True) + "\n"
+    return text.encode(), (st_save(tensors) if tensors else None)
+
+
+def decode_state(json_bytes: bytes, tensor_bytes: bytes | None) -> Any:
+    doc = json.loads(json_bytes)
+    tensors = st_load(tensor_bytes) if tensor_bytes else {}
+    return _decode(doc["state"], tensors)
+
+
+# ----------------------------------------------------------------------------- writing
+def ckpt_root(out_dir) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_dir(root, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def begin(root, step: int) -> Path:
+    """Create a fresh ``step-N.tmp`` folder (removing a stale one) and return it."""
+    tmp = Path(root) / f"step-{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_tensors(folder, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """``folder/name.safetensors`` from a flat dict of tensors (copied to CPU, contiguous)."""
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    atomic_write_bytes(Path(folder) / f"{name}.safetensors", st_save(flat))
+
+
+def write_state(folder, name: str, obj: Any) -> None:
+    """``folder/name.json`` (+ ``name.safetensors`` when the object holds tensors)."""
+    js, st = encode_state(obj)
+    if st is not None:
+        atomic_write_bytes(Path(folder) / f"{name}.safetensors", st)
+    atomic_write_bytes(Path(folder) / f"{name}.json", js)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def finish(root, step: int, extra_meta: dict | None = None) -> Path:
+    """Hash every file of ``step-N.tmp``, write ``meta.json`` last, rename to ``step-N``."""
+    tmp = Path(root) / f"step-{step}.tmp"
+    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+             for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META and not p.name.startswith(".")}
+    meta = {"format": FORMAT, "step": step, "files": files, **(extra_meta or {})}
+    atomic_write_text(tmp / META, json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    fsync_dir(tmp)
+    final = step_dir(root, step)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(root)
+    return final
+
+
+def prune(root, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` ``step-N`` folders; returns the deleted ones."""
+    found = list_checkpoints(root)
+    gone = [path for _, path in found[:-keep]] if keep > 0 else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def clean_tmp(root) -> None:
+    """Remove ``step-N.tmp`` folders left by an interrupted save."""
+    root = Path(root)
+    if root.is_dir():
+        for p in root.glob("step-*.tmp"):
+            log.warning("fibattn: removing incomplete checkpoint folder %s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- reading
+def list_checkpoints(root) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-N`` folder, oldest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return sorted(out)
+
+
+def verify(path) -> dict:
+    """Check a checkpoint folder; returns its meta, or raises :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a folder")
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {META} is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not supported (want {FORMAT})")
+    for name, info in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} is truncated or changed "
+                                  f"({size} bytes, expected {info['bytes']})")
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: file {name} is corrupted (sha256 mismatch)")
+    return meta
+
+
+def latest_valid(root) -> Path | None:
+    """The newest checkpoint that verifies; bad ones are skipped with a warning naming the file."""
+    for _, path in reversed(list_checkpoints(root)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as exc:
+            log.warning("fibattn: skipping checkpoint: %s", exc)
+    return None
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint folder; read parts with :meth:`tensors` and :meth:`state`."""
+
+    path: Path
+    meta: dict
+
+    @classmethod
+    def open(cls, path) -> "Checkpoint":
+        return cls(Path(path), verify(path))
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def has(self, name: str) -> bool:
+        files = self.meta["files"]
+        return f"{name}.json" in files or f"{name}.safetensors" in files
+
+    def _read(self, filename: str) -> bytes:
+        if filename not in self.meta["files"]:
+            raise CheckpointError(f"checkpoint {self.path} has no {filename}")
+        return (self.path / filename).read_bytes()
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        try:
+            return st_load(self._read(f"{name}.safetensors"))
+        except CheckpointError:
+            raise
+        except Exception as exc:              # safetensors refuses anything that is not safetensors
+            raise CheckpointError(f"checkpoint {self.path}: file {name}.safetensors is not a valid safetensors "
+                                  f"file ({exc})") from None
+
+    def state(self, name: str) -> Any:
+        st = f"{name}.safetensors"
+        js, tensors = self._read(f"{name}.json"), self._read(st) if st in self.meta["files"] else None
+        try:
+            return decode_state(js, tensors)
+        except Exception as exc:              # JSON + safetensors only: anything else is refused
+            raise CheckpointError(f"checkpoint {self.path}: state {name} ({name}.json / {st}) is not valid "
+                                  f"JSON + safetensors ({type(exc).__name__}: {exc})") from None

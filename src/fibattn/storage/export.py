@@ -1,0 +1,186 @@
+"""``fibattn export RUN OUT/ [--step N] [--force]``: a portable model folder.
+
+Writes ``config.json``, ``model.safetensors``, ``tokenizer.json`` and a ``README.md``
+model card (layout: :mod:`fibattn.storage.pretrained`). Load it back with ``fibattn.from_pretrained(OUT)``.
+
+The folder is built in a hidden staging folder next to ``OUT`` (every file written
+atomically, ``config.json`` last) and renamed into place. A non-empty ``OUT`` is refused
+unless ``--force``; even with ``--force`` only an earlier export is replaced (a folder
+holding anything else is never deleted).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save as st_save
+
+from .. import __version__
+from . import checkpoint as ck
+from . import pretrained as hub
+from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
+
+log = logging.getLogger("fibattn")
+
+
+# ----------------------------------------------------------------------------- gathering
+def _read_run(run_dir, step):
+    """``(model, RunConfig, tokenizer file bytes or None, checkpoint Checkpoint)``; verified."""
+    from ..config import from_dict
+    from .runs import find_checkpoint, load_run
+    path = find_checkpoint(run_dir, step)
+    c = ck.Checkpoint.open(path)
+    cfg = from_dict(json.loads(c._read("config.json")))
+    model, _, _ = load_run(path)
+    tok = None
+    if "tokenizer.json" in c.meta["files"]:
+        tok = c._read("tokenizer.json")
+    elif (Path(cfg.data.out_dir) / "tokenizer.json").is_file():
+        tok = (Path(cfg.data.out_dir) / "tokenizer.json").read_bytes()
+    else:
+        log.warning("fibattn export: no tokenizer in %s nor in %s; the export has none", path, cfg.data.out_dir)
+    return model, cfg, tok, c
+
+
+def _data_manifest(cfg) -> dict | None:
+    from ..data.pipeline import read_manifest
+    try:
+        return read_manifest(cfg.data.out_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def _eval_doc(run_dir) -> dict | None:
+    path = Path(run_dir) / "eval.json"
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError:
+        log.warning("fibattn export: %s is not valid JSON; the model card has no results", path)
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("results"), list) else None
+
+
+# ----------------------------------------------------------------------------- model card
+def _architecture_lines(model, m) -> list[str]:
+    lines = [f"- parameters: {model.num_params(non_embedding=False):,} "
+             f"({model.num_params():,} non-embedding; the output head is tied to the embedding)",
+             f"- d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv heads, "
+             f"vocabulary {m.vocab_size}, RoPE theta {m.rope_theta:g}, trained at length {m.seq_len}"]
+    if m.attention == "dense":
+        return lines + ["- attention: dense (full causal)"]
+    base = {"fib": f"fib (first {m.base_k} Fibonacci numbers 1, 2, 3, 5, ...)", "pow2": "pow2 (1, 2, 4, ...)",
+            "custom": f"custom {list(m.base_values)}"}[m.base]
+    lines += [f"- attention: sparse; window W={m.window}, base {base}, schedule `{m.schedule}`, reach `{m.reach}`",
+              "", "| layer | alpha | attended distances at the training length |", "|---|---|---|"]
+    for i, (a, d) in enumerate(zip(model.alphas(), model.distances(m.seq_len))):
+        far = [x for x in d if x > m.window]
+        lines.append(f"| {i} | {a:.4f} | 0..{m.window} + {far} |")
+    return lines
+
+
+def _data_lines(cfg, manifest) -> list[str]:
+    d, t = cfg.data, cfg.train
+    lines = [f"- tokenizer: {d.tokenizer}" + (f" (vocab {manifest['vocab_size']})" if manifest else "")]
+    for s in d.sources:
+        where = "bundled corpus" if s.kind == "bundled" else f"{s.kind}: {s.path}" + (f" [{s.subset}]" if s.subset else "")
+        lines.append(f"- source `{s.name}` ({where}), weight {s.weight:g}")
+    if manifest and "train_tokens" in manifest:
+        lines.append(f"- prepared training tokens: {manifest['train_tokens']:,}")
+    lines.append(f"- training: {t.steps} steps x {t.batch_tokens} tokens, lr {t.lr:g}, seed {t.seed}")
+    return lines
+
+
+def _result_lines(doc) -> list[str]:
+    if not doc or not doc["results"]:
+        return ["No `eval.json` in the run folder: run `fibattn eval RUN` before exporting to list results here."]
+    lines = ["| dataset | length | mode | tokens | ppl | bits/byte | step |", "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        bpb = "—" if r.get("bpb") is None else f"{r['bpb']:.4f}"
+        lines.append(f"| {r.get('dataset')} | {r.get('length')} | {r.get('mode')} | {r.get('tokens')} | "
+                     f"{r.get('ppl', float('nan')):.3f} | {bpb} | {r.get('step', '?')} |")
+    return lines
+
+
+def model_card(model, cfg, step: int, manifest, eval_doc) -> str:
+    parts = [f"# fibattn model: {cfg.name} (step {step})", "",
+             "A decoder language model with depth-staggered Fibonacci sparse attention, exported by "
+             f"fibattn {__version__}. Load it with:", "", "```python", "import fibattn",
+             "model = fibattn.from_pretrained(\"PATH\")   # model.tokenizer is attached", "```", "",
+             "## Architecture", "", *_architecture_lines(model, cfg.model), "",
+             "## Data", "", *_data_lines(cfg, manifest), "",
+             "## Results", "", *_result_lines(eval_doc), "",
+             "## Files", "", "`config.json` (model config, versions, sha256 of every file), `model.safetensors` "
+             "(weights), `tokenizer.json`. No pickle: only JSON and safetensors are read when loading.", ""]
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- writing
+def _check_target(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"OUT {out} is not empty; pass --force to replace an earlier export")
+        if not hub.is_export(out):
+            raise ValueError(f"OUT {out} is not empty and is not a fibattn export; refusing to replace it even "
+                             f"with --force (choose an empty or new folder)")
+
+
+def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: str, source: dict) -> None:
+    files: dict = {}
+
+    def put(name: str, data: bytes) -> None:
+        atomic_write_bytes(stage / name, data)
+        files[name] = {"sha256": hub.sha256_bytes(data), "bytes": len(data)}
+
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    put(hub.WEIGHTS, st_save(state, metadata={"format": "pt", "fibattn_format": str(hub.FORMAT)}))
+    if tok is not None:
+        put(hub.TOKENIZER, tok)
+    put(hub.CARD, card.encode("utf-8"))
+    from ..config import to_dict
+    meta = {"fibattn_format": hub.FORMAT, "fibattn_version": __version__, "model_type": "fibattn",
+            "model": to_dict(cfg.model), "tokenizer": hub.TOKENIZER if tok is not None else None,
+            "alphas": model.alphas(), "num_params": model.num_params(non_embedding=False),
+            "source": source, "files": files}
+    atomic_write_text(stage / hub.CONFIG, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    fsync_dir(stage)
+
+
+def _install(stage: Path, out: Path) -> None:
+    if out.is_dir():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(stage, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, out)
+    fsync_dir(out.parent)
+
+
+def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
+    """Write the portable folder ``out_dir`` from ``run_dir`` (a run or checkpoint folder)."""
+    out = Path(out_dir)
+    _check_target(out, force)
+    model, cfg, tok, c = _read_run(run_dir, step)
+    run_root = Path(run_dir) if not (Path(run_dir) / ck.META).is_file() else c.path.parent.parent
+    card = model_card(model, cfg, c.step, _data_manifest(cfg), _eval_doc(run_root))
+    source = {"run": cfg.name, "step": c.step, "checkpoint_model_sha256": c.meta["files"][ck.MODEL]["sha256"]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir()
+    try:
+        _write_folder(stage, model, cfg, c.step, tok, card, source)
+        _install(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    hub.verify_export(out)
+    return out

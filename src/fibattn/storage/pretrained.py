@@ -1,0 +1,193 @@
+"""Load a portable fibattn model folder (written by ``fibattn export``), safely.
+
+    model = fibattn.from_pretrained("exports/tiny")            # a FibLM in eval mode
+    bundle = load_pretrained("exports/tiny")                   # .model .model_config .tokenizer .meta
+    model, tokenizer = load_model("runs/tiny_or_export")       # either kind of folder
+
+Folder layout (``FORMAT`` 1)::
+
+    config.json          {"fibattn_format": 1, "fibattn_version", "model_type": "fibattn",
+                          "model": <ModelConfig fields>, "files": {name: {"sha256", "bytes"}},
+                          "tokenizer": "tokenizer.json" | null, "source": {...}}
+    model.safetensors    the FibLM state_dict (plain keys, metadata {"format": "pt"})
+    tokenizer.json       the run's tokenizer (fibattn byte tokenizer or a HF tokenizers file)
+    README.md            a model card (not read back)
+
+Only JSON and safetensors are read (no pickle anywhere); every file listed in
+``config.json`` is checked for presence, size and sha256 before anything is loaded, and a
+problem raises :class:`ExportError` naming the file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+
+try:
+    from safetensors import SafetensorError
+except ImportError:                       # older safetensors
+    from safetensors._safetensors_rust import SafetensorError
+
+FORMAT = 1
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+CARD = "README.md"
+
+
+class ExportError(ValueError):
+    """A portable model folder is missing a file, has a corrupted one, or is not an export."""
+
+
+@dataclass
+class Pretrained:
+    """What :func:`load_pretrained` returns."""
+
+    model: torch.nn.Module
+    model_config: object          # fibattn.config.ModelConfig
+    tokenizer: object | None      # ByteTokenizer | BPETokenizer | None
+    meta: dict                    # the parsed config.json
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_export(path) -> bool:
+    """True when ``path`` is a folder holding a fibattn ``config.json`` (format marker present)."""
+    cfg = Path(path) / CONFIG
+    if not cfg.is_file():
+        return False
+    try:
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "fibattn_format" in doc
+
+
+def read_meta(path) -> dict:
+    """The parsed, checked ``config.json`` of an export folder."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ExportError(f"{folder} does not exist or is not a folder (expected a fibattn export)")
+    cfg = folder / CONFIG
+    if not cfg.is_file():
+        raise ExportError(f"{folder}: {CONFIG} is missing (not a fibattn export folder; write one with "
+                          f"`fibattn export RUN OUT`)")
+    try:
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ExportError(f"{folder}: {CONFIG} is corrupted (not valid JSON: {exc})") from None
+    if not isinstance(doc, dict) or "fibattn_format" not in doc:
+        raise ExportError(f"{folder}: {CONFIG} is not a fibattn export config (no fibattn_format key)")
+    if doc["fibattn_format"] != FORMAT:
+        raise ExportError(f"{folder}: {CONFIG} has fibattn_format {doc['fibattn_format']!r}; this fibattn "
+                          f"reads format {FORMAT}")
+    for key in ("model", "files"):
+        if not isinstance(doc.get(key), dict):
+            raise ExportError(f"{folder}: {CONFIG} is corrupted (field {key!r} missing or not an object)")
+    if WEIGHTS not in doc["files"]:
+        raise ExportError(f"{folder}: {CONFIG} lists no {WEIGHTS}")
+    return doc
+
+
+def read_verified(folder: Path, name: str, meta: dict) -> bytes:
+    """The bytes of a listed file after checking its size and sha256."""
+    info = meta["files"].get(name)
+    if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info:
+        raise ExportError(f"{folder}: {CONFIG} has no size/sha256 entry for {name}")
+    path = folder / name
+    if not path.is_file():
+        raise ExportError(f"{folder}: file {name} is missing")
+    data = path.read_bytes()
+    if len(data) != info["bytes"]:
+        raise ExportError(f"{folder}: file {name} is truncated or changed ({len(data)} bytes, "
+                          f"expected {info['bytes']})")
+    if sha256_bytes(data) != info["sha256"]:
+        raise ExportError(f"{folder}: file {name} is corrupted (sha256 mismatch)")
+    return data
+
+
+def verify_export(path) -> dict:
+    """Check every listed file of an export folder; returns the parsed ``config.json``."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    for name in sorted(meta["files"]):
+        read_verified(folder, name, meta)
+    return meta
+
+
+def _model_config(meta: dict, folder: Path):
+    from ..config import ConfigError, from_dict
+    try:
+        return from_dict({"model": dict(meta["model"])}).model
+    except (ConfigError, TypeError) as exc:
+        raise ExportError(f"{folder}: {CONFIG} field 'model' is not a valid fibattn model config ({exc})") from None
+
+
+def _tokenizer(folder: Path, meta: dict):
+    name = meta.get("tokenizer")
+    if name is None:
+        return None
+    data = read_verified(folder, name, meta)
+    from ..data.tokenizers import load_tokenizer
+    try:
+        json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ExportError(f"{folder}: file {name} is corrupted (not valid JSON: {exc})") from None
+    return load_tokenizer(folder / name)
+
+
+def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) -> Pretrained:
+    """Model (eval mode, on ``device``), its ModelConfig, tokenizer and meta from an export folder.
+
+    ``model_overrides`` may set runtime fields that do not change the weights:
+    ``reach``, ``backend``, ``max_seq_len``.
+    """
+    from ..config import validate_model
+    from ..model.lm import FibLM
+    folder = Path(path)
+    meta = read_meta(folder)
+    weights = read_verified(folder, WEIGHTS, meta)
+    tokenizer = _tokenizer(folder, meta)
+    mcfg = _model_config(meta, folder)
+    allowed = ("reach", "backend", "max_seq_len")
+    for key, value in (model_overrides or {}).items():
+        if key not in allowed:
+            raise ValueError(f"model_overrides may only set {', '.join(allowed)}, got {key!r}")
+        setattr(mcfg, key, value)
+    validate_model(mcfg)
+    try:
+        tensors = st_load(weights)
+    except SafetensorError as exc:
+        raise ExportError(f"{folder}: file {WEIGHTS} is corrupted (not a safetensors file: {exc})") from None
+    model = FibLM(mcfg)
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as exc:
+        raise ExportError(f"{folder}: file {WEIGHTS} does not match the model in {CONFIG}: {exc}") from None
+    model.to(torch.device(device)).eval()
+    return Pretrained(model, mcfg, tokenizer, meta)
+
+
+def from_pretrained(path, *, device="cpu", model_overrides: dict | None = None):
+    """The :class:`fibattn.model.lm.FibLM` of an export folder (eval mode); ``.tokenizer`` is attached."""
+    bundle = load_pretrained(path, device=device, model_overrides=model_overrides)
+    bundle.model.tokenizer = bundle.tokenizer
+    return bundle.model
+
+
+def load_model(path, *, step="latest", device="cpu"):
+    """``(model, tokenizer)`` from an export folder or a training run / checkpoint folder."""
+    if is_export(path):
+        if step != "latest":
+            raise ValueError(f"{path} is an export folder (one fixed step); step must be 'latest', got {step!r}")
+        bundle = load_pretrained(path, device=device)
+        return bundle.model, bundle.tokenizer
+    from .runs import load_run
+    model, _cfg, tokenizer = load_run(path, step=step, device=device)
+    return model, tokenizer

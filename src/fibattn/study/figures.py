@@ -1,0 +1,154 @@
+"""The report's PNGs, drawn through :mod:`fibattn.plots` (matplotlib Agg).
+
+- ``ppl_vs_length.png``: perplexity against evaluation length, one line per variant, one panel per dataset;
+- ``per_position_loss.png``: mean loss by position in the window at 1× and the longest length;
+- ``alphas.png``: alpha per layer at the end of training for learned runs (static schedules dashed);
+- ``distances.png``: the distances each layer attends at the training length, and their union
+  (top row), for each schedule — what each schedule actually looks at.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import plots
+from ..plots import Panel, Series
+
+
+def _label(r) -> str:
+    return r.name
+
+
+def ppl_vs_length(results, datasets: list[str], path) -> Path | None:
+    panels = []
+    for d in datasets:
+        series = []
+        for r in results:
+            pts = sorted((n, v) for (ds, n), v in r.ppl.items() if ds == d)
+            if pts:
+                series.append(Series(_label(r), [n for n, _ in pts], [v for _, v in pts], marker="o",
+                                     linestyle="--" if r.variant == "dense" else "-"))
+        if series:
+            panels.append(Panel(f"{d}: perplexity vs evaluation length", "evaluation length (tokens)", "perplexity",
+                                series, logx=True))
+    return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
+
+
+def per_position(results, dataset: str, path) -> Path | None:
+    """``r.positions[(dataset, length)]`` = list of ``{start, end, loss}`` buckets."""
+    lengths = sorted({n for r in results for (d, n) in r.positions if d == dataset})
+    if not lengths:
+        return None
+    picks = sorted({lengths[0], lengths[-1]})
+    panels = []
+    for n in picks:
+        series = []
+        for r in results:
+            buckets = r.positions.get((dataset, n))
+            if buckets:
+                xs = [(b["start"] + b["end"] - 1) / 2 + 1 for b in buckets]
+                series.append(Series(_label(r), xs, [b["loss"] for b in buckets], marker=".",
+                                     linestyle="--" if r.variant == "dense" else "-"))
+        if series:
+            panels.append(Panel(f"{dataset}, windows of {n}", "position in window (1-based)", "mean loss (nats)",
+                                series, logx=True))
+    return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
+
+
+def alphas_per_layer(results, path) -> Path | None:
+    from ..model.attention import config_layer_alphas
+    learned = [r for r in results if r.alphas]
+    if not learned:
+        return None
+    series = [Series(f"{r.name} (learned, end)", list(range(len(r.alphas))), r.alphas, marker="o") for r in learned]
+    m = learned[0].model
+    if m is not None:
+        for schedule in ("linear", "coprime"):
+            ref = config_layer_alphas(_with(m, schedule=schedule))
+            series.append(Series(f"{schedule} (static, for reference)", list(range(len(ref))), ref, linestyle=":"))
+    start = config_layer_alphas(m)[0] if m is not None and len(set(config_layer_alphas(m))) == 1 else None
+    panel = Panel("alpha per layer after training", "layer", "alpha", series, hline=start,
+                  hline_label="learned start" if start is not None else "")
+    return plots.save_panels(path, [panel], panel_size=(7.0, 4.2))
+
+
+def _with(model_cfg, **changes):
+    import dataclasses
+    return dataclasses.replace(model_cfg, **changes)
+
+
+def layer_distances(r, seq_len: int | None = None) -> list[list[int]]:
+    """Attended distances per layer of a run at ``seq_len`` (default: its training length)."""
+    from ..model.attention import config_base, config_layer_alphas
+    from ..schedules import attended_distances
+    m = r.model
+    T = seq_len or m.seq_len
+    alphas = r.alphas if (m.schedule == "learned" and r.alphas) else config_layer_alphas(m)
+    reach = m.seq_len if m.reach == "train" else None
+    return [attended_distances(m.window, a, config_base(m), T, reach=reach) for a in alphas]
+
+
+def _pick_per_variant(results) -> list:
+    chosen: dict = {}
+    for r in results:
+        if r.model is None or r.variant == "dense":
+            continue
+        if r.variant not in chosen or (r.window or 0) > (chosen[r.variant].window or 0):
+            chosen[r.variant] = r
+    return list(chosen.values())
+
+
+def distances(results, path) -> Path | None:
+    """One panel per sparse variant (its widest window): ticks at each layer's distances, the union on top."""
+    runs = _pick_per_variant(results)
+    if not runs:
+        return None
+    plt = plots.require()
+    cols = min(3, len(runs))
+    rows = (len(runs) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    try:
+        for ax in axes.flat[len(runs):]:
+            ax.axis("off")
+        for ax, r in zip(axes.flat, runs):
+            per_layer = layer_distances(r)
+            L = len(per_layer)
+            union = sorted({d for ds in per_layer for d in ds})
+            for y, ds in list(enumerate(per_layer)) + [(L + 0.5, union)]:
+                far = [d for d in ds if d > r.window]
+                ax.scatter(far, [y] * len(far), marker="|", s=90, color="black" if y > L else "C0")
+            ax.axvspan(0.8, r.window + 0.5, color="C1", alpha=0.15, label=f"window 1..{r.window}")
+            ax.set_xscale("log", base=2)
+            ax.set_yticks(list(range(L)) + [L + 0.5])
+            ax.set_yticklabels([str(i) for i in range(L)] + ["union"], fontsize=7)
+            ax.set_ylim(-0.7, L + 1.2)
+            ax.set_title(f"{r.name}: {r.variant}, W={r.window}, T={r.model.seq_len}\n"
+                         f"{len(union)} distinct distances (0..{max(union)})", fontsize=9)
+            ax.set_xlabel("distance (log scale)")
+            ax.set_ylabel("layer")
+            ax.grid(True, axis="x", alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+    except BaseException:
+        plt.close(fig)
+        raise
+    return plots.save_figure(fig, path, dpi=100)
+
+
+def draw_all(results, datasets: list[str], out_dir) -> list[tuple[Path, str]]:
+    """Every report PNG that has data, as ``(path, caption)``; none when matplotlib is missing."""
+    if not plots.available():
+        plots.warn_unavailable("the report plots")
+        return []
+    out = Path(out_dir)
+    items = [
+        (ppl_vs_length(results, datasets, out / "ppl_vs_length.png"),
+         "Perplexity against evaluation length (dense dashed)."),
+        (per_position(results, datasets[0], out / "per_position_loss.png") if datasets else None,
+         f"Per-position loss on {datasets[0] if datasets else ''}: mean loss by position in the window, at 1× and "
+         "the longest evaluated length."),
+        (alphas_per_layer(results, out / "alphas.png"),
+         "Alpha per layer at the end of training for learned runs (static linear / coprime schedules dotted)."),
+        (distances(results, out / "distances.png"),
+         "Attended distances (>0) per layer at the training length, and their union (top row), per schedule; "
+         "distances 0..W are the local window."),
+    ]
+    return [(p, c) for p, c in items if p is not None]

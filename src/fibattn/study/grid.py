@@ -1,0 +1,251 @@
+"""Experiment grids: named lists of runs, filtering, extension files and the ``fibattn grid`` command.
+
+    fibattn grid paper --root runs/paper                       # every run, one after another
+    fibattn grid paper --root runs/paper --devices 0,1,2,3     # one run per GPU, 4 at a time
+    fibattn grid paper --only 'fib_*_w12,dense' --dry-run      # what would run, and what is done
+    fibattn grid paper --print-commands slurm > paper.sbatch   # a Slurm array script instead
+    fibattn grid demo --extend more.json                       # add runs from a JSON list
+
+A run is ``preset + overrides + seed``. It trains into ``ROOT/NAME``, is evaluated at its
+``eval.lengths`` and recorded in ``ROOT/results.sqlite`` (see :mod:`fibattn.study.runner`).
+Grids are functions returning a :class:`Grid`; ``GRIDS`` maps the names the CLI accepts.
+An extension file is a JSON list of ``{"name", "preset", "overrides", "seed"}`` objects.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import config as C
+from ..config import ConfigError, RunConfig
+from ..presets import PRESETS, get_preset
+
+
+def demo_setting() -> list[str]:
+    """The demo's setting: overrides on top of the ``tiny`` preset (tune here, in one place).
+
+    Trained at 32 tokens, evaluated at 1× and 4× (32, 128): 500 steps × 2048 tokens of a
+    5-layer, d_model 96 model (5 layers so that coprime differs from linear: stride 2).
+    fib base K=7 (1..21): at alpha 1.5 the longest distance, 32, is beyond the training
+    cap, so every sparse distance used at 128 was already used in training; the pow2
+    base rebuilt at 128 picks up 32 and 64 (the study's +11 % effect). Tuned on this
+    corpus: at 600 steps dense rose +90 % at 4× while fib linear fell 3 %; at 300 steps of
+    4096 tokens with 64-token windows dense rose only +29 % (too little training for RoPE's
+    positional reliance to show).
+    """
+    return [
+        "model.seq_len=32", "model.d_model=96", "model.n_layers=5", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.base_k=7", "model.window=6",
+        "train.steps=500", "train.batch_tokens=2048", "train.micro_batch=64", "train.lr=3e-3",
+        "train.warmup_steps=30", "train.log_every=50", "train.ckpt_every=250", "train.eval_every=0",
+        "train.eval_tokens=8192",
+        "eval.lengths=[32,128]", "eval.tokens=65536", "eval.batch_size=32",
+    ]
+
+
+def smoke_setting() -> list[str]:
+    """A seconds-long setting that exercises the whole pipeline (tests, CI)."""
+    return [
+        "model.seq_len=32", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+        "model.base_k=6", "model.window=4", "model.backend=torch",
+        "train.steps=3", "train.batch_tokens=128", "train.micro_batch=4", "train.warmup_steps=1",
+        "train.log_every=1", "train.ckpt_every=100", "train.eval_tokens=256", "train.threads=1",
+        "eval.lengths=[32,64]", "eval.tokens=2048", "eval.batch_size=8",
+    ]
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+SCHEDULE_TAGS = {"fixed": "fixed", "learned": "learned", "linear": "stagger", "coprime": "hdc"}
+PAPER_WINDOWS = (6, 8, 10, 12)
+REPLICATE_SEEDS = (43, 44)
+
+
+@dataclass(frozen=True)
+class GridRun:
+    """One run of a grid: ``preset`` + ``overrides`` (``section.field=value``) + ``seed``."""
+
+    name: str
+    preset: str
+    overrides: tuple[str, ...] = ()
+    seed: int = 42
+
+    def config(self, root, extra: list[str] | tuple[str, ...] = (), data_dir: str | None = None) -> RunConfig:
+        """The run's validated config, writing to ``ROOT/NAME``.
+
+        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``).
+        """
+        cfg = get_preset(self.preset)
+        C.apply_overrides(cfg, list(self.overrides))
+        if data_dir is not None:
+            cfg.data.out_dir = data_dir
+        C.apply_overrides(cfg, list(extra))
+        cfg.name = self.name
+        cfg.train.seed = self.seed
+        cfg.train.out_dir = str(Path(root) / self.name)
+        if cfg.train.results_db == "off":
+            raise ConfigError("train.results_db=off cannot be used in a grid: the grid records its runs there")
+        return C.validate(cfg)
+
+
+@dataclass
+class Grid:
+    """A named list of runs. ``data_under_root``: prepare the data in ``ROOT/data/<name>``."""
+
+    name: str
+    runs: list[GridRun]
+    description: str = ""
+    data_under_root: bool = False
+    extend_file: str | None = None          # set by :func:`build_grid` (workers re-read it)
+    sets: tuple[str, ...] = field(default_factory=tuple)   # grid-wide overrides (``--set``)
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.runs]
+
+    def data_dir(self, root) -> str | None:
+        if not self.data_under_root:
+            return None
+        base = Path(get_preset(self.runs[0].preset).data.out_dir).name if self.runs else "data"
+        return str(Path(root) / "data" / base)
+
+    def config(self, run: GridRun, root) -> RunConfig:
+        return run.config(root, self.sets, self.data_dir(root))
+
+
+# ------------------------------------------------------------------------------ grids
+def _sparse(base: str, schedule: str, window: int) -> tuple[str, ...]:
+    extra = ("model.learned_init=fixed", "model.alpha=1.0") if schedule == "learned" else ()
+    return ("model.attention=sparse", f"model.base={base}", f"model.schedule={schedule}",
+            f"model.window={window}", *extra)
+
+
+def paper_runs(preset: str = "paper", setting: tuple[str, ...] = ()) -> list[GridRun]:
+    """SPEC §4: dense, fib × {fixed, learned, linear, coprime} × W, pow2 + linear × W, pow2 + fixed at W=8."""
+    runs = [GridRun("dense", preset, setting + ("model.attention=dense",))]
+    for w in PAPER_WINDOWS:
+        for schedule, tag in SCHEDULE_TAGS.items():
+            runs.append(GridRun(f"fib_{tag}_w{w}", preset, setting + _sparse("fib", schedule, w)))
+        runs.append(GridRun(f"logsparse_stagger_w{w}", preset, setting + _sparse("pow2", "linear", w)))
+    runs.append(GridRun("logsparse_w8", preset, setting + _sparse("pow2", "fixed", 8)))
+    return runs
+
+
+def paper_grid() -> Grid:
+    runs = paper_runs()
+    base = {r.name: r for r in runs}
+    w12 = [f"fib_{tag}_w12" for tag in SCHEDULE_TAGS.values()] + ["logsparse_stagger_w12"]
+    for seed in REPLICATE_SEEDS:
+        runs += [replace(base[n], name=f"{n}_s{seed}", seed=seed) for n in w12]
+    return Grid("paper", runs, "the study's 21-model matrix + dense + seed replicates 43, 44 at W=12 (SPEC §4)")
+
+
+def demo_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRun]:
+    """Dense and the six sparse variants at the setting's one window (names without ``_wW``)."""
+    runs = [GridRun("dense", preset, setting + ("model.attention=dense",))]
+    probe = get_preset(preset)
+    C.apply_overrides(probe, list(setting))
+    w = probe.model.window
+    for schedule, tag in SCHEDULE_TAGS.items():
+        runs.append(GridRun(f"fib_{tag}", preset, setting + _sparse("fib", schedule, w)))
+    runs.append(GridRun("logsparse", preset, setting + _sparse("pow2", "fixed", w)))
+    runs.append(GridRun("logsparse_stagger", preset, setting + _sparse("pow2", "linear", w)))
+    return runs
+
+
+def demo_grid() -> Grid:
+    return Grid("demo", demo_runs(tuple(demo_setting())), "dense + 6 sparse variants, tiny preset, bundled corpus",
+                data_under_root=True)
+
+
+def smoke_grid() -> Grid:
+    runs = [r for r in demo_runs(tuple(smoke_setting())) if r.name in ("dense", "fib_stagger")]
+    return Grid("smoke", runs, "two micro runs in seconds (pipeline check)", data_under_root=True)
+
+
+GRIDS = {"paper": paper_grid, "demo": demo_grid, "smoke": smoke_grid}
+
+
+# ------------------------------------------------------------------------------ select / extend
+def select(runs: list[GridRun], only: str | None) -> list[GridRun]:
+    """Runs whose name matches one of the comma-separated fnmatch patterns (all when ``only`` is None)."""
+    if only is None:
+        return list(runs)
+    patterns = [p.strip() for p in str(only).split(",") if p.strip()]
+    if not patterns:
+        raise ValueError(f"--only must hold at least one name pattern (e.g. 'fib_*_w12,dense'), got {only!r}")
+    names = [r.name for r in runs]
+    for p in patterns:
+        if not fnmatch.filter(names, p):
+            raise ValueError(f"--only pattern {p!r} matches no run (runs: {', '.join(names)})")
+    return [r for r in runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
+
+
+def _entry(item, where: str) -> GridRun:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
+    allowed = {"name", "preset", "overrides", "seed"}
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise ValueError(f"{where} has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+    name = item.get("name")
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(f"{where}.name must be 1-100 letters, digits, '_', '-', '.' (not starting with a "
+                         f"punctuation mark), got {name!r}")
+    preset = item.get("preset")
+    if preset not in PRESETS:
+        raise ValueError(f"{where}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    overrides = item.get("overrides", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        raise ValueError(f"{where}.overrides must be a list of 'section.field=value' strings, got {overrides!r}")
+    seed = item.get("seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{where}.seed must be an integer >= 0, got {seed!r}")
+    run = GridRun(name, preset, tuple(overrides), seed)
+    try:
+        run.config("runs")
+    except ConfigError as exc:
+        raise ValueError(f"{where} ({name}): {exc}") from None
+    return run
+
+
+def load_extension(path) -> list[GridRun]:
+    """Runs from a JSON file holding a list of ``{name, preset, overrides, seed}`` objects."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--extend file {p} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extend file {p} is not valid JSON: {exc}") from None
+    if not isinstance(data, list) or not data:
+        raise ValueError(f"--extend file {p} must hold a non-empty JSON list of runs, got {type(data).__name__}")
+    runs = [_entry(item, f"{p.name}[{i}]") for i, item in enumerate(data)]
+    seen: set[str] = set()
+    for r in runs:
+        if r.name in seen:
+            raise ValueError(f"--extend file {p} names run {r.name!r} twice")
+        seen.add(r.name)
+    return runs
+
+
+def build_grid(name: str, *, only: str | None = None, extend: str | None = None,
+               sets: list[str] | tuple[str, ...] = ()) -> Grid:
+    """The named grid, extended by ``extend`` (a JSON file), filtered by ``only``, with ``sets`` for every run."""
+    if name not in GRIDS:
+        raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {name!r}")
+    grid = GRIDS[name]()
+    if extend:
+        more = load_extension(extend)
+        clash = sorted(set(grid.names()) & {r.name for r in more})
+        if clash:
+            raise ValueError(f"--extend file {extend} reuses run name {clash[0]!r} of grid {name}; pick another name")
+        grid.runs = grid.runs + more
+        grid.extend_file = str(Path(extend).resolve())
+    grid.runs = select(grid.runs, only)
+    grid.sets = tuple(sets or ())
+    for item in grid.sets:
+        if "=" not in item:
+            raise ValueError(f"--set must look like section.field=value, got {item!r}")
+    return grid

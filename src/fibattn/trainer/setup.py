@@ -1,0 +1,115 @@
+"""Before the first step: the output folder, disk space, precision, accumulation, data,
+threads and seeds — each checked with an error that names the setting."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import config as C
+from ..config import ConfigError, RunConfig
+from . import distributed as D
+
+log = logging.getLogger("fibattn")
+
+
+def check_out_dir(path) -> Path:
+    """Check that ``path`` can be created/written, without creating anything (ConfigError naming it)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"train.out_dir {p} exists and is not a folder")
+    parent = p
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"train.out_dir {p} is not writable: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.out_dir {p} is not writable: no write permission on {parent}")
+    return p
+
+
+def prepare_out_dir(path) -> Path:
+    """Create ``path`` and prove it is writable, else raise a ConfigError naming it."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"train.out_dir {p} exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"train.out_dir {p} is not writable: {exc.strerror or exc}") from None
+    return p
+
+
+def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
+    one = n_params * 4 * 3                        # weights + two AdamW moments, fp32, per checkpoint
+    need = one * (keep + 1)
+    while not path.exists() and path != path.parent:     # checked before the folder is created
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    if free < one:
+        raise ConfigError(f"train.out_dir {path} is full: {free} bytes free, one checkpoint needs about "
+                          f"{one} bytes; free some space or choose another --out")
+    if free < need:
+        log.warning("fibattn: only %.1f GB free in %s; %d checkpoints need about %.1f GB",
+                    free / 1e9, path, keep + 1, need / 1e9)
+
+
+def autocast_for(precision: str, device: torch.device):
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if precision == "auto":
+        log.info("fibattn: train.precision auto -> %s", "bf16 autocast" if use_bf16 else "fp32")
+    if use_bf16:
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def accum_steps(cfg: RunConfig, world: int) -> int:
+    per = cfg.train.micro_batch * cfg.model.seq_len * world
+    if cfg.train.batch_tokens % per:
+        raise ConfigError(f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of train.micro_batch * "
+                          f"model.seq_len * world_size ({cfg.train.micro_batch} * {cfg.model.seq_len} * {world} "
+                          f"= {per})")
+    return cfg.train.batch_tokens // per
+
+
+def load_data(cfg: RunConfig, dist: D.DistInfo):
+    from ..data import TokenData, ensure_prepared
+    if dist.is_main:
+        ensure_prepared(cfg.data)
+    D.barrier(dist)
+    return TokenData(ensure_prepared(cfg.data))
+
+
+def tokenizer_file(data) -> Path | None:
+    """The data folder's tokenizer file (copied into checkpoints), if the data has one."""
+    path, manifest = getattr(data, "path", None), getattr(data, "manifest", None) or {}
+    name = (manifest.get("tokenizer") or {}).get("file") if isinstance(manifest, dict) else None
+    if path is None or not name or not (Path(path) / name).is_file():
+        return None
+    return Path(path) / name
+
+
+def set_threads(t: C.TrainConfig, dist: D.DistInfo) -> None:
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
+    elif dist.distributed and dist.device.type == "cpu":
+        n = max(1, (os.cpu_count() or 1) // max(1, dist.local_world_size))
+        torch.set_num_threads(n)
+        if dist.is_main:
+            log.info("fibattn: train.threads auto -> %d per process (%d processes on this node)",
+                     n, dist.local_world_size)
+
+
+def seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)

@@ -1,0 +1,326 @@
+"""``fibattn train``: train a :class:`fibattn.model.lm.FibLM` from a preset plus overrides.
+
+    fibattn train --preset tiny [--set model.window=8 ...] [--out DIR] [--resume auto|never|PATH]
+    torchrun --nproc_per_node 4 -m fibattn.cli train --preset paper ...       # DDP, same command
+
+Python API: ``train(cfg, resume="auto") -> TrainResult``.
+
+One optimiser step consumes ``train.batch_tokens`` tokens over all processes:
+``accum = batch_tokens / (micro_batch * seq_len * world_size)`` micro-batches per process.
+Each step is checked before the update: a non-finite loss or gradient norm skips the
+update (logged); ``train.max_bad_steps`` such steps in a row abort the run, leaving the
+last checkpoint intact. Outputs in ``OUT``: ``config.json``, ``metrics.jsonl``,
+``checkpoints/step-N/`` (see :mod:`fibattn.trainer.state`); metrics also go to the
+results database (:mod:`fibattn.storage.results`). SIGTERM stops at the next step boundary
+with a checkpoint (status ``stopped``; ``--resume auto`` continues). Multi-node runs need
+``OUT`` on a filesystem shared by all nodes (every rank writes its RNG and loader state
+into the checkpoint folder).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .. import config as C
+from ..config import ConfigError, RunConfig
+from ..model.lm import FibLM
+from ..storage.results import resolve_db_path, run_key
+from . import distributed as D
+from . import state as S
+from .logs import MetricSinks, ProgressBar, progress_line
+from .optim import build_optimizer, lr_at, param_names, set_lr
+from .setup import (accum_steps, autocast_for, check_out_dir, load_data, prepare_out_dir, seed_all, set_threads,
+                    tokenizer_file, warn_disk_space)
+
+log = logging.getLogger("fibattn")
+
+
+class TrainingAborted(RuntimeError):
+    """Too many consecutive non-finite steps; the last good checkpoint is left intact."""
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    status: str                        # finished | stopped
+    step: int
+    tokens: int
+    losses: list = field(default_factory=list)        # (step, loss) of every step run by this call
+    val_loss: dict = field(default_factory=dict)       # split -> loss at the last evaluation
+    checkpoint: Path | None = None
+    skipped_steps: int = 0
+    elapsed_s: float = 0.0
+
+
+
+
+
+# ------------------------------------------------------------------------------ trainer
+class Trainer:
+    def __init__(self, cfg: RunConfig, dist: D.DistInfo, data, loss_hook):
+        self.cfg, self.dist, self.loss_hook = cfg, dist, loss_hook
+        t = cfg.train
+        self.out = Path(t.out_dir)
+        self.accum = accum_steps(cfg, dist.world_size)
+        if dist.is_main:
+            check_out_dir(self.out)                  # created in run(), once every input has been checked
+        set_threads(t, dist)
+        seed_all(t.seed)
+        self.data = data if data is not None else load_data(cfg, dist)
+        if self.data.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+                              f"vocabulary ({self.data.vocab_size}); set model.vocab_size >= {self.data.vocab_size}")
+        self.model = FibLM(cfg.model).to(dist.device)
+        self.names = param_names(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = build_optimizer(self.model, t)
+        self.loader = self.data.train_loader(cfg.model.seq_len, t.micro_batch, seed=t.seed,
+                                             rank=dist.rank, world_size=dist.world_size)
+        self.autocast = autocast_for(t.precision, dist.device)
+        self.step, self.tokens, self.skipped, self.bad, self.elapsed = 0, 0, 0, 0, 0.0
+        self.stop_requested = False          # set by SIGTERM on this process
+        self.stop_agreed = False             # any rank asked to stop (all-reduced each step)
+        self.resumed_from: Path | None = None
+        self.tokenizer_file = tokenizer_file(self.data)
+
+    # ------------------------------------------------------------------ resume / wrap
+    def resume(self, resume: str) -> None:
+        path = S.find_resume(self.out, resume, self.dist)
+        if path is None:
+            return
+        saved = json.loads((path / "config.json").read_text())
+        changed = S.check_compatible(saved, self.cfg, path)
+        if changed and self.dist.is_main:
+            log.warning("fibattn: resuming with changed settings: %s", ", ".join(changed))
+        self.resumed_from = path
+        tr = S.restore(path, model=self.model, optimizer=self.opt, names=self.names, loader=self.loader,
+                       dist=self.dist)
+        self.step, self.tokens = int(tr["step"]), int(tr["tokens"])
+        self.skipped, self.bad, self.elapsed = int(tr["skipped"]), int(tr["bad"]), float(tr["elapsed"])
+        if self.dist.is_main:
+            log.info("fibattn: resumed from %s (step %d)", path, self.step)
+
+    def wrap(self) -> None:
+        fwd = torch.compile(self.model) if self.cfg.train.compile else self.model
+        self.eval_model = fwd
+        if self.dist.distributed:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
+            fwd = DDP(fwd, device_ids=ids)
+        self.fwd = fwd
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> tuple[float, float, bool]:
+        """One optimiser step; returns (loss, grad_norm, applied)."""
+        self.fwd.train()
+        set_lr(self.opt, lr_at(self.step, self.cfg.train))
+        loss_sum = torch.zeros((), device=self.dist.device, dtype=torch.float32)
+        for i in range(self.accum):
+            x, y = self.loader.next()
+            x = torch.as_tensor(x).to(self.dist.device, non_blocking=True)
+            y = torch.as_tensor(y).to(self.dist.device, non_blocking=True)
+            sync = self.dist.distributed and i < self.accum - 1
+            with (self.fwd.no_sync() if sync else contextlib.nullcontext()):
+                with self.autocast():
+                    _, loss = self.fwd(x, y)
+                if self.loss_hook is not None:
+                    loss = self.loss_hook(self.step + 1, loss)
+                (loss / self.accum).backward()
+            loss_sum += loss.detach().float()
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip).float()
+        flags = torch.stack([loss_sum / self.accum, (~torch.isfinite(gnorm)).float(),
+                             torch.tensor(float(self.stop_requested), device=self.dist.device)])
+        D.all_reduce_sum(self.dist, flags)
+        loss_v, bad_norm, stop = flags.tolist()
+        loss_v /= self.dist.world_size
+        self.stop_agreed = stop > 0          # every rank sees the same value: no rank leaves the loop alone
+        ok = math.isfinite(loss_v) and bad_norm == 0
+        if ok:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss_v, float(gnorm), ok
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean token loss on the first ``train.eval_tokens`` tokens of every validation split."""
+        model, T, mb = self.eval_model, self.cfg.model.seq_len, self.cfg.train.micro_batch
+        model.eval()
+        out = {}
+        for name in self.data.val_names:
+            head = self.data.val_tokens(name)[: self.cfg.train.eval_tokens + 1]
+            toks = torch.from_numpy(np.array(head, dtype=np.int64))
+            n = (len(toks) - 1) // T
+            seqs = [(i * T, T) for i in range(n)] or ([(0, len(toks) - 1)] if len(toks) > 1 else [])
+            mine = seqs[self.dist.rank::self.dist.world_size]
+            acc = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
+            for j in range(0, len(mine), mb):
+                chunk = mine[j:j + mb]
+                x = torch.stack([toks[s:s + L] for s, L in chunk]).to(self.dist.device)
+                y = torch.stack([toks[s + 1:s + 1 + L] for s, L in chunk]).to(self.dist.device)
+                with self.autocast():
+                    _, loss = model(x, y)
+                acc += torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), device=acc.device,
+                                                                             dtype=torch.float64)])
+            D.all_reduce_sum(self.dist, acc)
+            if acc[1] > 0:
+                out[name] = float(acc[0] / acc[1])
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        state = {"tokens": self.tokens, "skipped": self.skipped, "bad": self.bad, "elapsed": self.elapsed}
+        return S.save(self.out, self.step, model=self.model, optimizer=self.opt, names=self.names,
+                      loader=self.loader, trainer=state, cfg=self.cfg, dist=self.dist, keep=self.cfg.train.keep_ckpts,
+                      tokenizer_file=self.tokenizer_file)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, resume: str, stop_at: int | None) -> TrainResult:
+        t, dist = self.cfg.train, self.dist
+        self.resume(resume)
+        if dist.is_main:
+            warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
+            prepare_out_dir(self.out)
+        D.barrier(dist)
+        self.wrap()
+        sinks = None
+        if dist.is_main:
+            C.save(self.cfg, self.out / "config.json")
+            sinks = MetricSinks(self.out, run_key(self.out), resolve_db_path(self.out, t.results_db),
+                                tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
+                                config=C.to_dict(self.cfg))
+            if sinks.db is not None:
+                sinks.db.start_run(run_key(self.out), config=C.to_dict(self.cfg), out_dir=str(self.out.resolve()),
+                                   label=self.cfg.name, fresh=self.step == 0)
+            sinks.truncate(self.step)
+        status = "failed"
+        try:
+            result = self._loop(sinks, stop_at)
+            status = result.status
+            return result
+        finally:
+            if sinks is not None:
+                sinks.close(status)
+
+    def _log_eval(self, sinks, result: TrainResult, bar: ProgressBar) -> None:
+        val = self.evaluate()
+        result.val_loss = val
+        if sinks is not None and val:
+            values = {}
+            for name, v in val.items():
+                values[f"val/{name}/loss"] = v
+                values[f"val/{name}/ppl"] = math.exp(min(v, 50.0))
+            sinks.log(self.step, values)
+            bar.println(f"eval step {self.step} | " + " | ".join(f"{n} loss {v:.4f} ppl {math.exp(min(v, 50)):.2f}"
+                                                                for n, v in val.items()))
+
+    def _loop(self, sinks, stop_at: int | None) -> TrainResult:
+        t, dist = self.cfg.train, self.dist
+        total, tokens_per_step = t.steps, t.batch_tokens
+        result = TrainResult(self.out, "finished", self.step, self.tokens, skipped_steps=self.skipped)
+        bar = ProgressBar(total, silent=not dist.is_main)
+        learned = self.cfg.model.attention == "sparse" and self.cfg.model.schedule == "learned"
+        win_loss, win_n, win_time, win_steps = 0.0, 0, 0.0, 0
+        last_saved = self.resumed_from
+        while self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_agreed:
+            t0 = time.perf_counter()
+            loss, gnorm, ok = self.train_step()
+            dt = time.perf_counter() - t0
+            lr = self.opt.param_groups[0]["lr"]
+            self.step += 1
+            self.tokens += tokens_per_step
+            self.elapsed += dt
+            win_time += dt
+            win_steps += 1
+            result.losses.append((self.step, loss))
+            if ok:
+                self.bad = 0
+                win_loss += loss
+                win_n += 1
+            else:
+                self.bad += 1
+                self.skipped += 1
+                bar.println(f"step {self.step}/{total} | skipped: non-finite loss {loss} or grad_norm {gnorm} "
+                            f"({self.bad} in a row, limit train.max_bad_steps={t.max_bad_steps})")
+                if sinks is not None:
+                    sinks.log(self.step, {"skipped": 1.0})
+                if self.bad >= t.max_bad_steps:
+                    newest = S.ck.latest_valid(S.ck.ckpt_root(self.out)) if dist.is_main else None
+                    raise TrainingAborted(
+                        f"{self.bad} consecutive non-finite steps (last at step {self.step}: loss={loss}, "
+                        f"grad_norm={gnorm}); aborting. Last good checkpoint: {newest or 'none'}. Lower train.lr, "
+                        f"check the data, or raise train.max_bad_steps")
+            eta = (total - self.step) * (win_time / max(win_steps, 1))
+            bar.update(self.step, loss, eta)
+            if self.step % t.log_every == 0 or self.step == total:
+                mean = win_loss / win_n if win_n else float("nan")
+                tok_s = win_steps * tokens_per_step / max(win_time, 1e-9)
+                bar.println(progress_line(self.step, total, mean, lr, gnorm, tok_s, eta))
+                if sinks is not None:
+                    sinks.log(self.step, {"loss": mean, "lr": lr, "grad_norm": gnorm, "tok_s": tok_s,
+                                          "tokens": float(self.tokens)},
+                              alphas=self.model.alphas() if learned else None)
+                win_loss, win_n, win_time, win_steps = 0.0, 0, 0.0, 0
+            if t.eval_every and self.step % t.eval_every == 0 and self.step != total:
+                self._log_eval(sinks, result, bar)
+            if self.step % t.ckpt_every == 0 and self.step != total:
+                last_saved = self.save()
+        if self.step >= total:
+            self._log_eval(sinks, result, bar)
+        else:
+            result.status = "stopped"
+            bar.println(f"stopped at step {self.step}/{total}; continue with --resume auto")
+        if last_saved is None or S.ck.step_dir(S.ck.ckpt_root(self.out), self.step) != last_saved:
+            last_saved = self.save()
+        bar.clear()
+        result.step, result.tokens, result.skipped_steps = self.step, self.tokens, self.skipped
+        result.checkpoint, result.elapsed_s = last_saved, self.elapsed
+        return result
+
+
+# ------------------------------------------------------------------------------ API / CLI
+def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, data=None,
+          loss_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> TrainResult:
+    """Train ``cfg`` (a copy is validated and used); returns a :class:`TrainResult`.
+
+    ``resume``: ``auto`` (newest verified checkpoint in ``OUT/checkpoints``, if any),
+    ``never`` (refuse when checkpoints exist) or a checkpoint folder. ``stop_at``: stop
+    after this global step with a checkpoint (status ``stopped``). ``data``: a
+    ``TokenData``-like object instead of ``cfg.data``. ``loss_hook(step, loss)``: a
+    debugging/testing hook that may replace each micro-batch loss of step ``step``
+    (1-based, as logged) before backward.
+    """
+    if not isinstance(cfg, RunConfig):
+        raise ValueError(f"train() expects a fibattn.config.RunConfig, got {type(cfg).__name__}")
+    if not isinstance(resume, (str, Path)) or not str(resume):
+        raise ValueError(f"resume must be 'auto', 'never' or a checkpoint folder, got {resume!r}")
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise ValueError(f"stop_at must be an integer >= 1, got {stop_at!r}")
+    cfg = C.validate(copy.deepcopy(cfg))
+    dist = D.init(cfg.train)
+    trainer = None
+    old = None
+    try:
+        trainer = Trainer(cfg, dist, data, loss_hook)
+        if threading.current_thread() is threading.main_thread():
+            def on_term(signum, frame):
+                trainer.stop_requested = True
+            old = signal.signal(signal.SIGTERM, on_term)
+        return trainer.run(str(resume), stop_at)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+        D.shutdown(dist)
