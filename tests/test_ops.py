@@ -1,4 +1,4 @@
-"""The sparse attention ops: every fast backend against the reference (SPEC §1–3).
+"""The sparse attention ops: every fast backend against the reference (method.md §1–3).
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 """

@@ -1,4 +1,4 @@
-"""Every backend against definitions written here from the method's formulas (SPEC §1, §3).
+"""Every backend against definitions written here from the method's formulas (method.md §1, §3).
 
 Nothing below comes from fibattn: the softmax scale is ``1 / sqrt(Dh)`` written out, the
 distance sets and interpolation rungs are worked out by hand in the comments, and the

@@ -1,4 +1,4 @@
-"""Bases, alpha schedules, distance sets and interpolation plans (SPEC §1–3)."""
+"""Bases, alpha schedules, distance sets and interpolation plans (method.md §1–3)."""
 import math
 
 import pytest

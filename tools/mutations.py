@@ -39,7 +39,7 @@ TK = OPS + "triton_kernels.py"
 DEFS = "tests/test_ops_definitions.py"
 
 MUTATIONS = [
-    # ---------------------------------------------------------------- the attended set (SPEC §1, §3)
+    # ---------------------------------------------------------------- the attended set (method.md §1, §3)
     Mutation("round-half-up", "distance rounding", "src/fibattn/schedules.py",
              "        d = round(alpha * b)\n", "        d = math.floor(alpha * b + 0.5)\n", (DEFS,)),
     Mutation("integer-cap+1", "cap", "src/fibattn/schedules.py",

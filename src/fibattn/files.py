@@ -1,6 +1,8 @@
-"""Atomic file writes: write to a temp file in the same folder, fsync, then rename."""
+"""Files fibattn writes and checks: atomic writes (a temp file in the same folder, fsync, then
+rename) and the size + sha256 listings that checkpoints and exports verify against."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -45,3 +47,27 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def listed_file_problem(path, info: dict, data: bytes | None = None) -> str | None:
+    """How ``path`` differs from its listing ``{"bytes": n, "sha256": hex}`` — ``is missing``,
+    ``is truncated or changed (...)`` or ``is corrupted (sha256 mismatch)`` — or None when it
+    matches. ``data``: the file's bytes when the caller has read them already."""
+    path = Path(path)
+    if data is None and not path.is_file():
+        return "is missing"
+    size = len(data) if data is not None else path.stat().st_size
+    if size != info["bytes"]:
+        return f"is truncated or changed ({size} bytes, expected {info['bytes']})"
+    digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_file(path)
+    if digest != info["sha256"]:
+        return "is corrupted (sha256 mismatch)"
+    return None

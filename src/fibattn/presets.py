@@ -9,7 +9,7 @@ MATH_SUBSETS = ("algebra", "counting_and_probability", "geometry", "intermediate
 
 
 def study_mixture() -> list[SourceConfig]:
-    """SPEC §4's training mixture (Hugging Face ids, streamed).
+    """method.md §4's training mixture (Hugging Face ids, streamed).
 
     ``max_docs`` caps each stream at roughly its share of the 426M training tokens plus
     the held-out split (average document lengths: FineWeb-Edu ~1k tokens, Wikipedia
@@ -29,7 +29,7 @@ def study_mixture() -> list[SourceConfig]:
 
 
 def paper() -> RunConfig:
-    """The study's model and recipe (SPEC §4): 60.9M parameters, 13k steps × 32k tokens."""
+    """The study's model and recipe (method.md §4): 60.9M parameters, 13k steps × 32k tokens."""
     return RunConfig(
         name="paper",
         model=ModelConfig(),

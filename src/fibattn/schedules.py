@@ -1,4 +1,4 @@
-"""Bases, per-layer alpha schedules and attended-distance sets (SPEC §1–3).
+"""Bases, per-layer alpha schedules and attended-distance sets (method.md §1–3).
 
 A layer with window ``W``, scale ``alpha`` and base ``B`` lets the query at position
 ``i`` attend to keys ``i - d`` for ``d`` in::
@@ -109,7 +109,7 @@ def distance_cap(seq_len: int, reach: int | None = None) -> int:
 # ----------------------------------------------------------------------- distance sets
 def attended_distances(window: int, alpha: float, base: BaseLike, seq_len: int, *,
                        reach: int | None = None) -> list[int]:
-    """Sorted, unique distances a query attends to (SPEC §1); always holds 0..min(W, T-1)."""
+    """Sorted, unique distances a query attends to (method.md §1); always holds 0..min(W, T-1)."""
     check_int("window", window, 0)
     alpha = check_positive("alpha", alpha)
     cap = distance_cap(seq_len, reach)
@@ -123,7 +123,7 @@ def attended_distances(window: int, alpha: float, base: BaseLike, seq_len: int, 
 
 @dataclass(frozen=True)
 class InterpolationPlan:
-    """Columns of the fractional-distance op (SPEC §3).
+    """Columns of the fractional-distance op (method.md §3).
 
     ``window``: the exact columns ``0..W`` (clipped to the cap).
     ``rungs``: the used base rungs as ``(lo, b)``: target ``t = alpha * b``, ``lo = floor(t)``,
@@ -149,7 +149,7 @@ class InterpolationPlan:
 
 def interpolation_plan(window: int, alpha: float, base: BaseLike, seq_len: int, *,
                        reach: int | None = None) -> InterpolationPlan:
-    """Which columns the fractional-distance op uses for this ``alpha`` (SPEC §3)."""
+    """Which columns the fractional-distance op uses for this ``alpha`` (method.md §3)."""
     check_int("window", window, 0)
     alpha = check_positive("alpha", alpha)
     cap = distance_cap(seq_len, reach)

@@ -185,7 +185,7 @@ def _shallow(model: FibLM, layers: int):
     if L <= 4 or layers >= L:
         return model, 1.0
     picks = [L // 2] if layers == 1 else sorted({round(i * (L - 1) / (layers - 1)) for i in range(layers)})
-    view = types.SimpleNamespace(embed=model.embed, norm=model.norm, cfg=model.cfg,
+    view = types.SimpleNamespace(embed=model.embed, norm=model.norm, cfg=model.cfg, logits=model.logits,
                                  blocks=[model.blocks[i] for i in picks])
     return view, L / len(picks)
 

@@ -132,13 +132,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok)
 
 
-def make_tokenizer(kind: str) -> ByteTokenizer:
-    """The untrained tokenizers (only ``byte``); ``bpe`` goes through :func:`train_bpe`."""
-    if kind != "byte":
-        raise ValueError(f"data.tokenizer={kind!r} must be trained (use train_bpe); only 'byte' is fixed")
-    return ByteTokenizer()
-
-
 def _resolve(path) -> Path:
     path = Path(path)
     return path / TOKENIZER_FILE if path.is_dir() else path

@@ -1,9 +1,9 @@
 """The alpha report of a learned schedule: per-layer alpha at the start, during training, at the end.
 
-Sources: the start is the config's schedule (``learned_init``; SPEC §2); the trajectory is
+Sources: the start is the config's schedule (``learned_init``; method.md §2); the trajectory is
 the results DB's ``alphas`` table for the run, or, when the DB has none, the ``alphas``
 field of ``metrics.jsonl`` (the source is stated in the report); the end is the loaded
-model's alphas at its checkpoint step. Layers are numbered from 0, as in SPEC §2.
+model's alphas at its checkpoint step. Layers are numbered from 0, as in method.md §2.
 
 Outputs: a markdown table (:meth:`AlphaReport.markdown`), one line naming the largest move
 from the start (:meth:`AlphaReport.largest_move_line`, e.g. ``largest move from start:

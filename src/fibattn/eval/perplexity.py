@@ -19,7 +19,7 @@ Rules (what a result means):
   token other than end-of-document is one byte (eos counts 0); otherwise the scored
   targets are decoded in one piece and the UTF-8 bytes of that text are counted.
 - ``reach="study"`` rebuilds the attended distances at the evaluation length;
-  ``"train"`` caps them at the training length (SPEC §1). Set for the evaluation only.
+  ``"train"`` caps them at the training length (method.md §1). Set for the evaluation only.
 - ``dense_window``: a dense model evaluated with a sliding window of its training length
   ``S``: each query sees distances ``0..S-1`` only (exactly what it saw in training). It
   runs blockwise: query block ``[s, s+S)`` attends keys ``[s-S+1, s+S)`` through SDPA with
@@ -50,7 +50,6 @@ __all__ = ["EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "cou
            "window_starts"]
 
 REACH_MODES = ("study", "train")
-EVAL_JSON = "eval.json"
 WINDOW_MODE = "dense-window"
 _LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
 _logged: set = set()

@@ -25,6 +25,7 @@ import torch
 from . import perplexity as E
 from ..devices import resolve_device
 from ..files import atomic_write_text
+from ..storage.runs import EVAL_JSON, read_eval_doc
 
 log = logging.getLogger("fibattn")
 
@@ -77,13 +78,10 @@ def pick_datasets(names, available: list[str]) -> list[str]:
 def merge_json(path, run: str, step, report: E.EvalReport, extra: dict | None = None) -> dict:
     """Merge ``report`` into the JSON file at ``path`` (atomic); returns the merged document."""
     path = Path(path)
-    doc = {"format": 1, "run": run, "results": []}
-    if path.is_file():
-        try:
-            doc = json.loads(path.read_text())
-            assert isinstance(doc, dict) and isinstance(doc.get("results"), list)
-        except (json.JSONDecodeError, AssertionError):
-            raise ValueError(f"{path} exists but is not an eval JSON file; move it away or pass --json OUT") from None
+    try:
+        doc = read_eval_doc(path) or {"format": 1, "run": run, "results": []}
+    except ValueError as exc:
+        raise ValueError(f"{exc}; move it away or pass --json OUT") from None
     new = {(r.dataset, r.length, r.mode): {**asdict(r), "step": step} for r in report.records}
     kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length"), r.get("mode")) not in new]
     doc["results"] = sorted(kept + list(new.values()), key=lambda r: (r["dataset"], r["mode"], r["length"]))
@@ -167,7 +165,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         A.write_report(ar, folder, plot=plot)
         extra["alphas"] = ar.to_dict()
         report.settings["alpha_report"] = ar.markdown()
-    merge_json(Path(json_out) if json_out else folder / E.EVAL_JSON, run, ck_step, report, extra)
+    merge_json(Path(json_out) if json_out else folder / EVAL_JSON, run, ck_step, report, extra)
     db_path = _db_path(db, folder, cfg)
     if db_path is not None:
         log_to_db(db_path, run, ck_step, report)

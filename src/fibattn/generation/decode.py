@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..checks import check_int
 from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
@@ -126,7 +125,7 @@ class DecodeSession:
     """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
 
     def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None):
-        for name in ("embed", "blocks", "norm"):
+        for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
                 raise ValueError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
         max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
@@ -184,17 +183,18 @@ class DecodeSession:
     def prefill(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
         """Run prompts ``ids`` ``(b, T)`` (one length) into batch rows ``rows``; last logits ``(b, V)``."""
         model = self.model
-        x = model.embed(ids.to(self.device))
-        for block, state in zip(model.blocks, self.layers):
-            attn = block.attn
-            q, k, v = attn.qkv(block.attn_norm(x), 0)
-            y = self._prefill_core(attn, state, q, k, v)
+
+        def attend(attn, h, state):
+            q, k, v = attn.qkv(h, 0)
             for j, row in enumerate(rows):
                 state.cache.fill(row, k[j:j + 1], v[j:j + 1])
-            x = x + attn.merge(y)
-            x = x + block.ffn(block.ffn_norm(x))
+            return self._prefill_core(attn, state, q, k, v)
+
+        x = model.embed(ids.to(self.device))
+        for block, state in zip(model.blocks, self.layers):
+            x = block(x, attend=lambda attn, h, state=state: attend(attn, h, state))
         self.pos[rows] = ids.shape[1] - 1
-        return F.linear(model.norm(x[:, -1:]), model.embed.weight)[:, 0].float()
+        return model.logits(model.norm(x[:, -1:]))[:, 0].float()
 
     # ------------------------------------------------------------------ decode
     def _position_groups(self) -> list[tuple[torch.Tensor | None, int]]:
@@ -219,12 +219,8 @@ class DecodeSession:
         B = tokens.shape[0]
         x = model.embed(tokens.to(self.device).view(B, 1))
         for block, state in zip(model.blocks, self.layers):
-            attn = block.attn
-            q, k, v = _qkv_at(attn, block.attn_norm(x), groups)
-            y = attend_step(state, q, k, v, at)
-            x = x + attn.merge(y)
-            x = x + block.ffn(block.ffn_norm(x))
-        return F.linear(model.norm(x), model.embed.weight)[:, 0].float()
+            x = block(x, attend=lambda attn, h, state=state: attend_step(state, *_qkv_at(attn, h, groups), at))
+        return model.logits(model.norm(x))[:, 0].float()
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -31,7 +31,7 @@ class ReadPlan:
 
     ``entries``: distances whose rows are gathered. ``first[c]``: column ``c`` is usable when
     ``pos >= first[c]``. ``mix``: ``(C, E)`` weights building column keys/values from the
-    gathered rows (SPEC §3 interpolation); ``None`` when column ``c`` is entry ``c``.
+    gathered rows (method.md §3 interpolation); ``None`` when column ``c`` is entry ``c``.
     A row below position 0 is clamped to row 0, as in the full-sequence op.
     """
 

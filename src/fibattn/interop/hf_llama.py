@@ -126,7 +126,7 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
 
     ``base``: ``"fib"``, ``"pow2"``, a :class:`fibattn.schedules.Base` or a list of integers;
     ``schedule``: fixed | linear | coprime | custom (``alphas``, one per layer);
-    ``reach_len``: cap distances at ``reach_len - 1`` (SPEC §1 ``reach="train"``); ``None``
+    ``reach_len``: cap distances at ``reach_len - 1`` (method.md §1 ``reach="train"``); ``None``
     rebuilds them at every length (the study's behaviour).
     """
     register()

@@ -93,7 +93,7 @@ class FibScorer:
         n = len(targets)
         x = torch.tensor([inputs], dtype=torch.long, device=self.device)
         h = self.model.hidden(x)[0, -n:]
-        logp = F.log_softmax(F.linear(h, self.model.embed.weight).float(), dim=-1)
+        logp = F.log_softmax(self.model.logits(h).float(), dim=-1)
         y = torch.tensor(targets, dtype=torch.long, device=self.device)
         return float(logp.gather(1, y[:, None]).sum()), bool((logp.argmax(-1) == y).all())
 

@@ -10,11 +10,11 @@ gather or interpolation) and its spacing scale alpha:
   T, reach=...)``; the distance list is cached per ``(T, reach)``;
 - learned (``learned=True``): a :class:`fibattn.schedules.LearnedAlphas` with one layer,
   started at ``alpha``; ``fibattn.interpolated_sparse_attention`` receives the alpha
-  tensor so its gradient flows (SPEC §3);
+  tensor so its gradient flows (method.md §3);
 - ``attention="dense"``: full causal attention through ``F.scaled_dot_product_attention``.
 
 ``reach="study"`` rebuilds the distances at the current length; ``reach="train"``
-caps them at ``reach_len`` (the training length, SPEC §1 Decision).
+caps them at ``reach_len`` (the training length, method.md §1 Decision).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``FibLM``: the pre-norm decoder of SPEC §4.
+"""``FibLM``: the pre-norm decoder of method.md §4.
 
 Layout: token ids ``idx`` ``(B, T)`` int64 -> logits ``(B, T, V)``; hidden states
 ``(B, T, C)`` with ``C = d_model``.
@@ -42,8 +42,12 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), offset)
+    def forward(self, x: torch.Tensor, offset: int = 0, attend=None) -> torch.Tensor:
+        """``attend(attn, h) -> (B, H, T, Dh)``, when given, replaces the layer's own projections
+        and attention core on the normalised input ``h`` (generation reads and fills its caches
+        there); norms, residuals and the feed-forward stay this block's."""
+        h = self.attn_norm(x)
+        x = x + (self.attn(h, offset) if attend is None else self.attn.merge(attend(self.attn, h)))
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -94,13 +98,16 @@ class FibLM(nn.Module):
             x = block(x, offset)
         return self.norm(x)
 
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The output head on normalised hidden states: the token embedding, tied."""
+        return F.linear(h, self.embed.weight)
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits ``(B, T, V)``; with ``targets`` ``(B, T)`` also the mean token cross-entropy.
 
         Target positions equal to -100 are ignored (PyTorch's ``ignore_index``).
         """
-        h = self.hidden(idx)
-        logits = F.linear(h, self.embed.weight)
+        logits = self.logits(self.hidden(idx))
         if targets is None:
             return logits
         if targets.shape != idx.shape:

@@ -1,4 +1,4 @@
-"""The public sparse attention ops (SPEC §1–3).
+"""The public sparse attention ops (method.md §1–3).
 
 Layout, stated once: q ``(B, H, T, Dh)``; k, v ``(B, Hkv, T, Dh)`` with ``H % Hkv == 0``
 (grouped-query attention: query head ``h`` reads key/value head ``h // (H // Hkv)``);
@@ -108,7 +108,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
 def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alpha,
                                   base: BaseLike, window: int, reach: int | None = None,
                                   scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """Fractional distances ``alpha * b`` by linear interpolation of keys and values (SPEC §3).
+    """Fractional distances ``alpha * b`` by linear interpolation of keys and values (method.md §3).
 
     ``alpha`` is a float or a 0-d tensor; gradients reach it through the interpolation
     weights. Equal to :func:`sparse_attention` when every ``alpha * b`` is an integer.

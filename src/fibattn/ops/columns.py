@@ -1,4 +1,4 @@
-"""What a fused kernel attends to: *columns*, from a distance list or an alpha (SPEC §1, §3).
+"""What a fused kernel attends to: *columns*, from a distance list or an alpha (method.md §1, §3).
 
 A :class:`ColumnSpec` is the static description an op is called with — integer distances,
 or a window, a resolved base and a reach for the fractional op. Its column count is fixed
@@ -24,7 +24,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class ColumnSpec:
     """Integer distances (``dists``), or, when ``dists`` is None, the fractional op's
-    ``window``, resolved ``base`` values and ``reach`` (SPEC §3)."""
+    ``window``, resolved ``base`` values and ``reach`` (method.md §3)."""
 
     dists: tuple[int, ...] | None = None
     window: int = 0

@@ -2,7 +2,7 @@
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``, ``H % Hkv == 0``.
 The integer op builds the dense ``T × T`` mask; the fractional op materialises every
-interpolated key and value column (SPEC §3) and attends over them.
+interpolated key and value column (method.md §3) and attends over them.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: Interpolat
         values.append(_rows(v, d))
         first.append(d)
     for lo, b in plan.rungs:
-        frac = (alpha.double() * b - lo).to(q.dtype)      # in float64, as the plan chose lo (SPEC §3)
+        frac = (alpha.double() * b - lo).to(q.dtype)      # in float64, as the plan chose lo (method.md §3)
         keys.append((1 - frac) * _rows(k, lo) + frac * _rows(k, lo + 1))
         values.append((1 - frac) * _rows(v, lo) + frac * _rows(v, lo + 1))
         first.append(lo)

@@ -13,7 +13,7 @@ shared by the group.
 Columns (arrays ``LO``, ``WLO``, ``WHI`` of length ``C``): column ``c`` of query row ``i``
 reads ``WLO[c] * x[i - LO[c]] + WHI[c] * x[max(i - LO[c] - 1, 0)]`` and is valid when
 ``i >= LO[c]`` (``LO[c] >= T``: never valid). With ``TWO_TAP`` the columns ``c >= NWIN``
-are interpolated rungs (SPEC §3) whose second tap is always read, so that the gradient of
+are interpolated rungs (method.md §3) whose second tap is always read, so that the gradient of
 ``frac`` (``WHI``) exists even at ``frac = 0``; without it every column is one exact tap.
 
 The pattern is shift-invariant: for a row tile ``[i0, i0 + M)`` a column reads the
@@ -36,7 +36,7 @@ _NEVER = tl.constexpr(NEVER)
 @triton.jit(do_not_specialize=["CAP"])
 def plan_kernel(ALPHA, BASE, LO, WLO, WHI, K, CAP, W: tl.constexpr, BLOCK_W: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """SPEC §3 on the device: window columns ``0..W`` (capped), then one column per base rung.
+    """method.md §3 on the device: window columns ``0..W`` (capped), then one column per base rung.
 
     A rung ``b`` has target ``t = alpha * b`` (float64, as Python computes it), ``lo =
     floor(t)``; it is used when ``W < lo <= CAP`` and no earlier used rung has the same

@@ -16,7 +16,6 @@ every listed file's size and hash and names the first bad one.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -30,7 +29,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
+from ..files import atomic_write_bytes, atomic_write_text, fsync_dir, listed_file_problem, sha256_file
 
 log = logging.getLogger("fibattn")
 
@@ -131,18 +130,10 @@ def write_state(folder, name: str, obj: Any) -> None:
     atomic_write_bytes(Path(folder) / f"{name}.json", js)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def finish(root, step: int, extra_meta: dict | None = None) -> Path:
     """Hash every file of ``step-N.tmp``, write ``meta.json`` last, rename to ``step-N``."""
     tmp = Path(root) / f"step-{step}.tmp"
-    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
+    files = {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
              for p in sorted(tmp.iterdir()) if p.is_file() and p.name != META and not p.name.startswith(".")}
     meta = {"format": FORMAT, "step": step, "files": files, **(extra_meta or {})}
     atomic_write_text(tmp / META, json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -200,15 +191,9 @@ def verify(path) -> dict:
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not supported (want {FORMAT})")
     for name, info in sorted(files.items()):
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-        size = f.stat().st_size
-        if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint {path}: file {name} is truncated or changed "
-                                  f"({size} bytes, expected {info['bytes']})")
-        if _sha256(f) != info["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {name} is corrupted (sha256 mismatch)")
+        problem = listed_file_problem(path / name, info)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: file {name} {problem}")
     return meta
 
 

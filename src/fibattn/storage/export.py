@@ -21,6 +21,7 @@ from safetensors.torch import save as st_save
 from .. import __version__
 from . import checkpoint as ck
 from . import pretrained as hub
+from .runs import EVAL_JSON, read_eval_doc
 from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
 
 log = logging.getLogger("fibattn")
@@ -54,15 +55,11 @@ def _data_manifest(cfg) -> dict | None:
 
 
 def _eval_doc(run_dir) -> dict | None:
-    path = Path(run_dir) / "eval.json"
-    if not path.is_file():
-        return None
     try:
-        doc = json.loads(path.read_text())
-    except ValueError:
-        log.warning("fibattn export: %s is not valid JSON; the model card has no results", path)
+        return read_eval_doc(Path(run_dir) / EVAL_JSON)
+    except ValueError as exc:
+        log.warning("fibattn export: %s; the model card has no results", exc)
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("results"), list) else None
 
 
 # ----------------------------------------------------------------------------- model card

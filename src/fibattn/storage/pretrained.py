@@ -32,6 +32,8 @@ try:
 except ImportError:                       # older safetensors
     from safetensors._safetensors_rust import SafetensorError
 
+from ..files import listed_file_problem
+
 FORMAT = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -104,11 +106,9 @@ def read_verified(folder: Path, name: str, meta: dict) -> bytes:
     if not path.is_file():
         raise ExportError(f"{folder}: file {name} is missing")
     data = path.read_bytes()
-    if len(data) != info["bytes"]:
-        raise ExportError(f"{folder}: file {name} is truncated or changed ({len(data)} bytes, "
-                          f"expected {info['bytes']})")
-    if sha256_bytes(data) != info["sha256"]:
-        raise ExportError(f"{folder}: file {name} is corrupted (sha256 mismatch)")
+    problem = listed_file_problem(path, info, data)
+    if problem:
+        raise ExportError(f"{folder}: file {name} {problem}")
     return data
 
 

@@ -149,3 +149,53 @@ class ResultsDB:
                                        " ORDER BY run, dataset, length, reach"), (name,) if name else ())
         cols = [c[0] for c in cur.description]
         return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+
+# --------------------------------------------------------------------- read-only queries
+def _read(path, sql: str, args: tuple) -> list[tuple]:
+    """Rows of a query on an existing database; none when the file or its tables do not exist
+    yet (never creates the file)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    conn = sqlite3.connect(str(path), timeout=60)
+    try:
+        return conn.execute(sql, args).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        conn.close()
+
+
+def run_status(path, name: str) -> str | None:
+    rows = _read(path, "SELECT status FROM runs WHERE name=?", (name,))
+    return rows[0][0] if rows else None
+
+
+def evaluated_lengths(path, name: str, reach: str) -> set[int]:
+    return {int(r[0]) for r in _read(path, "SELECT DISTINCT length FROM eval_results WHERE run=? AND reach=?",
+                                     (name, reach))}
+
+
+def eval_ppls(path, name: str, reach: str) -> list[tuple[str, int, float]]:
+    """``(dataset, length, ppl)`` of every recorded evaluation of ``name`` in mode ``reach``."""
+    return [(d, int(n), float(p)) for d, n, p in _read(
+        path, "SELECT dataset, length, ppl FROM eval_results WHERE run=? AND reach=?", (name, reach))]
+
+
+def forget_runs(path, names) -> None:
+    """Delete every row of the runs ``names`` (runs, metrics, alphas, evaluations)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    conn = sqlite3.connect(str(path), timeout=60)
+    try:
+        with conn:
+            for name in names:
+                for table, col in (("runs", "name"), ("metrics", "run"), ("alphas", "run"), ("eval_results", "run")):
+                    conn.execute(f"DELETE FROM {table} WHERE {col}=?", (name,))
+    except sqlite3.OperationalError:
+        pass                                      # tables not created yet: nothing recorded
+    finally:
+        conn.close()
+

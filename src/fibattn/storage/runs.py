@@ -22,6 +22,22 @@ from ..model.lm import FibLM
 log = logging.getLogger("fibattn")
 
 RUNTIME_KEYS = ("model.reach", "model.backend", "model.max_seq_len")
+EVAL_JSON = "eval.json"         # what ``fibattn eval`` writes into a run folder
+
+
+def read_eval_doc(path) -> dict | None:
+    """The evaluation document ``fibattn eval`` writes (``RUN/eval.json``): None when the file
+    is absent, a ValueError naming it when it is not such a document."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        doc = None
+    if not (isinstance(doc, dict) and isinstance(doc.get("results"), list)):
+        raise ValueError(f"{path} exists but is not an eval JSON file")
+    return doc
 
 
 def parse_step(text, flag: str = "--step"):

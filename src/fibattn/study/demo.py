@@ -13,10 +13,10 @@ within ± 5 %. Re-running skips finished runs and resumes interrupted ones.
 from __future__ import annotations
 
 import shutil
-import sqlite3
 from pathlib import Path
 
 from . import report as Rp
+from ..storage import results
 from .report import Check
 
 NOTE = """What this demo can show and what it cannot:
@@ -64,19 +64,7 @@ def forget_runs(grid, root: Path) -> list[str]:
                                  f"checkpoints/); remove it yourself or choose another --root")
             shutil.rmtree(folder)
             removed.append(run.name)
-    db = root / "results.sqlite"
-    if db.is_file():
-        conn = sqlite3.connect(str(db), timeout=60)
-        try:
-            with conn:
-                for run in grid.runs:
-                    for table in ("runs", "metrics", "alphas", "eval_results"):
-                        col = "name" if table == "runs" else "run"
-                        conn.execute(f"DELETE FROM {table} WHERE {col}=?", (run.name,))
-        except sqlite3.OperationalError:
-            pass                                    # tables not created yet: nothing recorded
-        finally:
-            conn.close()
+    results.forget_runs(root / "results.sqlite", [run.name for run in grid.runs])
     if (root / "report").is_dir():
         shutil.rmtree(root / "report")
     return removed

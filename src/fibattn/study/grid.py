@@ -122,7 +122,7 @@ def _sparse(base: str, schedule: str, window: int) -> tuple[str, ...]:
 
 
 def paper_runs(preset: str = "paper", setting: tuple[str, ...] = ()) -> list[GridRun]:
-    """SPEC §4: dense, fib × {fixed, learned, linear, coprime} × W, pow2 + linear × W, pow2 + fixed at W=8."""
+    """method.md §4: dense, fib × {fixed, learned, linear, coprime} × W, pow2 + linear × W, pow2 + fixed at W=8."""
     runs = [GridRun("dense", preset, setting + ("model.attention=dense",))]
     for w in PAPER_WINDOWS:
         for schedule, tag in SCHEDULE_TAGS.items():
@@ -138,7 +138,7 @@ def paper_grid() -> Grid:
     w12 = [f"fib_{tag}_w12" for tag in SCHEDULE_TAGS.values()] + ["logsparse_stagger_w12"]
     for seed in REPLICATE_SEEDS:
         runs += [replace(base[n], name=f"{n}_s{seed}", seed=seed) for n in w12]
-    return Grid("paper", runs, "the study's 21-model matrix + dense + seed replicates 43, 44 at W=12 (SPEC §4)")
+    return Grid("paper", runs, "the study's 21-model matrix + dense + seed replicates 43, 44 at W=12 (method.md §4)")
 
 
 def demo_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRun]:

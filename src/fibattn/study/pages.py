@@ -31,9 +31,6 @@ class Table:
     note: str = ""
     bold: set = field(default_factory=set)     # (row, col) cells shown in bold
 
-    def cell(self, r: int, c: int) -> str:
-        return self.rows[r][c]
-
     def markdown(self) -> str:
         def esc(s):
             return str(s).replace("|", "\\|")

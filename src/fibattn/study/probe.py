@@ -1,4 +1,4 @@
-"""``fibattn probe``: the mechanistic retrieval probe (SPEC §5).
+"""``fibattn probe``: the mechanistic retrieval probe (method.md §5).
 
     fibattn probe [--preset cpu|study] [--depths 2,4,8] [--starts uniform,staggered]
                   [--distances 20,32] [--marked] [--steps N] [--seed S] [--out DIR]
@@ -145,7 +145,7 @@ def _lr(step: int, cfg: ProbeConfig) -> float:
 def answer_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     """Logits ``(N, V)`` at the final position only."""
     h = model.hidden(tokens)[:, -1]
-    return F.linear(h, model.embed.weight)
+    return model.logits(h)
 
 
 @torch.inference_mode()
@@ -227,7 +227,7 @@ class ProbeReport:
             ok = [r.depth for r in mine if min(r.accuracy.values()) >= RETRIEVES]
             moves = max((r.max_move() for r in mine), default=0.0)
             lines.append(f"{start} start: retrieves at depths {ok or 'none'}; largest alpha move {moves:.4f}")
-        lines.append("study (SPEC §5): alphas barely move (uniform within 0.05 of 1.0); uniform retrieves nothing "
+        lines.append("study (method.md §5): alphas barely move (uniform within 0.05 of 1.0); uniform retrieves nothing "
                      "at depth >= 4; staggered retrieves at depths 2 and 4")
         return lines
 

@@ -1,4 +1,4 @@
-"""The retrieval probe's synthetic task (SPEC §5): a pure function of a seed.
+"""The retrieval probe's synthetic task (method.md §5): a pure function of a seed.
 
 A sample is ``T`` token ids; the answer is read at the final position ``q = T - 1``.
 

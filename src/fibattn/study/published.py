@@ -1,4 +1,4 @@
-"""The study's published perplexities (SPEC §5) as data, to hold a reproduction against.
+"""The study's published perplexities (method.md §5) as data, to hold a reproduction against.
 
 Run names follow the study: ``dense``, ``fib_<fixed|learned|stagger|hdc>_w<W>``,
 ``logsparse_w8`` (pow2 + fixed), ``logsparse_stagger_w<W>`` (pow2 + linear); seed
@@ -70,10 +70,6 @@ def study_ppl(name: str, dataset: str, length: int) -> float | None:
         if values is not None:
             return values[SEED_DATASETS.index(dataset)]
     return None
-
-
-def has_study_numbers(names) -> bool:
-    return any(study_ppl(n, "fineweb_edu", TRAIN_LEN) is not None for n in names)
 
 
 _VARIANT_NAMES = {"dense": re.compile(r"^dense$"), "fixed": re.compile(r"^fib_fixed_w\d+$"),

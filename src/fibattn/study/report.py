@@ -7,12 +7,11 @@ Tables: the main table (rows W, columns fixed / learned / linear / coprime / pow
 cells perplexity per dataset at the training length, "FW / WP"), the extrapolation table
 (1×, 2×, 4× the training length with % change from 1×), seed spread, the headline check
 (dense at 4× vs the sparse variants) and — where run names match the study's — ours /
-study / Δ against SPEC §5 (:mod:`fibattn.study.published`). Tables are built from
+study / Δ against method.md §5 (:mod:`fibattn.study.published`). Tables are built from
 :class:`RunResult` lists, so they can be checked on synthetic numbers.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -21,6 +20,8 @@ from pathlib import Path
 
 from . import published as S
 from .pages import Heading, Image, Table, Text
+from ..storage.results import eval_ppls
+from ..storage.runs import EVAL_JSON, read_eval_doc
 
 log = logging.getLogger("fibattn")
 
@@ -191,7 +192,7 @@ def study_table(results: list[RunResult]) -> Table | None:
         return None
     L = S.TRAIN_LEN
     header = ["model", f"FW {L}", f"WP {L}", f"TS {L}", f"FW {4 * L}", "FW change at 4×"]
-    table = Table("Ours vs the study (SPEC §5): ours / study / Δ", header,
+    table = Table("Ours vs the study (method.md §5): ours / study / Δ", header,
                   note="Δ is our perplexity relative to the study's. The change column is ours / study. "
                        "TinyStories is reported by the study for the W=12 seed table only.")
     for r in rows:
@@ -236,7 +237,7 @@ def check_table(checks: list[Check], dataset: str, factor: int) -> Table:
     table = Table(f"Headline check: {dataset} perplexity change at {factor}× the training length",
                   ["model", "1×", f"{factor}×", "change", "goal", "result", f"study at {factor}× (FW)"],
                   note="The study's column: its FineWeb-Edu change from 1024 to 4096 for the same variant, over "
-                       "W = 6..12 (SPEC §5); pow2 + fixed degrades there too (+11.3 %: never-trained distances).")
+                       "W = 6..12 (method.md §5); pow2 + fixed degrades there too (+11.3 %: never-trained distances).")
     for c in checks:
         table.rows.append([c.name, fmt_ppl(c.short), fmt_ppl(c.long), fmt_pct(c.change), c.goal,
                            "PASS" if c.passed else "FAIL", c.study])
@@ -245,19 +246,16 @@ def check_table(checks: list[Check], dataset: str, factor: int) -> Table:
 
 # ------------------------------------------------------------------------------ collect
 def _eval_doc(run_dir: Path) -> dict:
-    path = run_dir / "eval.json"
-    if not path.is_file():
-        return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        log.warning("fibattn report: %s is not valid JSON; per-position loss and alphas of that run skipped", path)
+        return read_eval_doc(run_dir / EVAL_JSON) or {}
+    except ValueError as exc:
+        log.warning("fibattn report: %s; per-position loss and alphas of that run skipped", exc)
         return {}
 
 
 def collect(grid, root) -> list[RunResult]:
     """Every run of ``grid`` under ``root`` with its evaluation (runs without results have empty ``ppl``)."""
-    from .runner import _query, db_path
+    from .runner import db_path
     out = []
     for run in grid.runs:
         cfg = grid.config(run, root)
@@ -265,9 +263,8 @@ def collect(grid, root) -> list[RunResult]:
         r = RunResult(run.name, variant_of(m), None if m.attention == "dense" else m.window, cfg.train.seed,
                       m.seq_len, model=m)
         mode = cfg.eval.reach
-        for dataset, length, ppl in _query(db_path(cfg), "SELECT dataset, length, ppl FROM eval_results WHERE run=? "
-                                                          "AND reach=?", (run.name, mode)):
-            r.ppl[(dataset, int(length))] = float(ppl)
+        for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode):
+            r.ppl[(dataset, length)] = ppl
         doc = _eval_doc(Path(cfg.train.out_dir))
         for rec in doc.get("results", []):
             if rec.get("mode") == mode and rec.get("buckets"):

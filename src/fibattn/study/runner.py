@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import shlex
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from typing import Callable
 from .. import config as C
 from ..config import ConfigError, RunConfig
 from .grid import Grid, GridRun
-from ..storage.results import resolve_db_path
+from ..storage.results import evaluated_lengths, resolve_db_path, run_status
 from ..trainer.logs import fmt_duration
 
 log = logging.getLogger("fibattn")
@@ -101,18 +100,6 @@ def db_path(cfg: RunConfig) -> Path:
     return resolve_db_path(cfg.train.out_dir, cfg.train.results_db)
 
 
-def _query(path: Path, sql: str, args: tuple) -> list[tuple]:
-    if not path.is_file():
-        return []
-    conn = sqlite3.connect(str(path), timeout=60)
-    try:
-        return conn.execute(sql, args).fetchall()
-    except sqlite3.OperationalError:          # tables not created yet
-        return []
-    finally:
-        conn.close()
-
-
 def eval_reach(cfg: RunConfig) -> str:
     return cfg.eval.reach
 
@@ -120,10 +107,8 @@ def eval_reach(cfg: RunConfig) -> str:
 def run_state(run: GridRun, cfg: RunConfig) -> RunState:
     check_same_settings(cfg)
     path, name = db_path(cfg), Path(cfg.train.out_dir).name
-    rows = _query(path, "SELECT status FROM runs WHERE name=?", (name,))
-    status = rows[0][0] if rows else None
-    have = {int(r[0]) for r in _query(path, "SELECT DISTINCT length FROM eval_results WHERE run=? AND reach=?",
-                                       (name, eval_reach(cfg)))}
+    status = run_status(path, name)
+    have = evaluated_lengths(path, name, eval_reach(cfg))
     missing = [n for n in cfg.eval.lengths if n not in have]
     if status == "finished" and not missing:
         return RunState(run, cfg, "done")

@@ -89,6 +89,7 @@ def find_resume(out_dir, resume: str, dist: DistInfo) -> Path | None:
                 f"{root} already holds checkpoints (newest step-{existing[-1][0]}); pass --resume auto to "
                 f"continue that run, or choose a fresh train.out_dir / --out")
         if resume == "auto":
+            ck.clean_tmp(root)                   # half-written step-N.tmp folders of an interrupted save
             found = ck.latest_valid(root)
             step = -1 if found is None else ck.Checkpoint.open(found).step
     step = broadcast_int(dist, step)
