@@ -13,9 +13,8 @@ import shutil
 import pytest
 
 from fibattn.cli import main
-from fibattn.config import TrainConfig
-from fibattn.presets import tiny
 from fibattn.trainer.trainer import train
+from run_helpers import micro_config
 
 MICRO = ["--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.n_heads=2",
          "--set", "model.n_kv_heads=1", "--set", "model.seq_len=32", "--set", "train.batch_tokens=64",
@@ -167,14 +166,9 @@ def _copy_data(src, dst, tokenizer_text=None, fix_manifest=False):
 def env(tmp_path_factory, tiny_data):
     w = tmp_path_factory.mktemp("rel-cli")
     (w / "data").symlink_to(tiny_data, target_is_directory=True)        # read only: {D} in the cases
-    cfg = tiny()
-    m = cfg.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 1, 2, 1, 32, 4, 6
-    m.backend = "torch"
-    cfg.data.out_dir = str(tiny_data)
+    cfg = micro_config(w / "run", tiny_data, steps=2, batch_tokens=64, micro_batch=2, log_every=1, ckpt_every=100,
+                       eval_tokens=64, threads=1, results_db="off")
     cfg.eval.lengths, cfg.eval.tokens = [32], 256
-    cfg.train = TrainConfig(out_dir=str(w / "run"), steps=2, batch_tokens=64, micro_batch=2, log_every=1,
-                            ckpt_every=100, eval_tokens=64, threads=1, results_db="off")
     train(cfg)
     shutil.copytree(w / "run", w / "bad-ckpt")
     f = w / "bad-ckpt" / "checkpoints" / "step-2" / "model.safetensors"

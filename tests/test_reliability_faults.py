@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 
 from fibattn.storage import checkpoint as ck
 from fibattn import config as C
-from fibattn.config import ConfigError, TrainConfig
+from fibattn.config import ConfigError
 from fibattn.data import ShardError, TokenData, verify_prepared
-from fibattn.presets import tiny
 from fibattn.storage.runs import load_run
 from fibattn.schedules import attended_distances, interpolation_plan
 from fibattn.trainer.trainer import TrainingAborted, train
+from run_helpers import micro_config
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,9 @@ def data_dir(tiny_data):
 
 
 def micro(out, data_dir, **kw):
-    cfg = tiny()
-    m = cfg.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 1, 2, 1, 32, 4, 6
-    m.backend = "torch"
-    cfg.data.out_dir = str(data_dir)
-    t = dict(out_dir=str(out), steps=6, batch_tokens=64, micro_batch=2, lr=3e-3, warmup_steps=2, log_every=1,
-             ckpt_every=100, eval_tokens=64, threads=1, results_db="off")
-    t.update(kw)
-    cfg.train = TrainConfig(**t)
-    return cfg
+    t = dict(steps=6, batch_tokens=64, micro_batch=2, lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=100,
+             eval_tokens=64, threads=1, results_db="off")
+    return micro_config(out, data_dir, **{**t, **kw})
 
 
 def final_weights(out, step):

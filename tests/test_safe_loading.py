@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 
 from fibattn.storage import checkpoint as ck
-from fibattn.config import TrainConfig
-from fibattn.presets import tiny
 from fibattn.trainer.trainer import train
+from run_helpers import micro_config
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fibattn"
 
@@ -67,14 +66,8 @@ def _evil_bytes(marker) -> bytes:
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_data):
     w = tmp_path_factory.mktemp("safe")
-    cfg = tiny()
-    m = cfg.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 1, 2, 1, 32, 4, 6
-    m.backend = "torch"
-    cfg.data.out_dir = str(tiny_data)
-    cfg.train = TrainConfig(out_dir=str(w / "run"), steps=2, batch_tokens=64, micro_batch=2, log_every=1,
-                            ckpt_every=100, eval_tokens=64, threads=1, results_db="off")
-    train(cfg)
+    train(micro_config(w / "run", tiny_data, steps=2, batch_tokens=64, micro_batch=2, log_every=1, ckpt_every=100,
+                       eval_tokens=64, threads=1, results_db="off"))
     return w / "run"
 
 

@@ -12,6 +12,7 @@ from fibattn.config import ConfigError, RunConfig, TrainConfig
 from fibattn.presets import tiny
 from fibattn.trainer.setup import accum_steps
 from fibattn.trainer.trainer import TrainingAborted, train
+from run_helpers import micro_config
 from fibattn.trainer.optim import lr_at, param_groups
 
 
@@ -21,16 +22,9 @@ def data_dir(tiny_data):
 
 
 def micro_cfg(out, data_dir, **train_kw) -> RunConfig:
-    cfg = tiny()
-    m = cfg.model
-    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.seq_len, m.window, m.base_k = 32, 2, 2, 1, 32, 4, 6
-    m.backend = "torch"
-    cfg.data.out_dir = str(data_dir)
-    t = dict(out_dir=str(out), steps=6, batch_tokens=128, micro_batch=2, lr=3e-3, warmup_steps=2, log_every=1,
-             ckpt_every=100, eval_tokens=256, threads=1)
-    t.update(train_kw)
-    cfg.train = TrainConfig(**t)
-    return cfg
+    t = dict(steps=6, batch_tokens=128, micro_batch=2, lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=100,
+             eval_tokens=256, threads=1)
+    return micro_config(out, data_dir, n_layers=2, **{**t, **train_kw})
 
 
 def weights(run_dir, step):

@@ -9,7 +9,7 @@ Outputs (all atomic):
 - the results DB (``eval_results``; default ``<parent of RUN>/results.sqlite``, as the
   trainer's): one row per result, ``reach`` column = ``mode``, the rest of the record as JSON.
 - ``RUN/eval_positions_<mode>.png``: per-position loss, one panel per dataset, one line per length.
-- learned schedules: ``RUN/alphas.md`` and ``RUN/alphas.png`` (:mod:`fibattn.eval.alphas`).
+- learned schedules: ``RUN/alphas.md`` and ``RUN/alphas.png`` (:mod:`fibattn.eval.alpha_report`).
 
 The command is ``fibattn eval`` (:mod:`fibattn.cli.eval`).
 """
@@ -132,7 +132,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
     ``auto | cpu | cuda | cuda:N`` (default: the run's ``train.device``).
     """
-    from . import alphas as A
+    from . import alpha_report as A
     from .. import plots
     from ..storage.results import run_key
     from ..storage.runs import load_run

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from fibattn.eval import alphas as A
+from fibattn.eval import alpha_report as A
 from fibattn.config import ModelConfig, RunConfig
 from fibattn.model.lm import FibLM
 from fibattn.storage.results import ResultsDB
