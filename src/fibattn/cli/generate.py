@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from ..devices import resolve_device
 from ..checks import check_int
+from ..devices import resolve_device
 from ..generation.decode import TextStream, generate
 from ..storage.runs import load_run, parse_step
 
@@ -29,8 +29,8 @@ def configure_parser(parser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
-def run(args, out=None) -> int:
 
+def run(args, out=None) -> int:
     out = out or sys.stdout
     step = parse_step(args.step)
     device = resolve_device(args.device)

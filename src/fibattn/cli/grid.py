@@ -35,7 +35,6 @@ def configure_parser(parser) -> None:
 
 
 def run(args) -> int:
-
     grid = build_grid(args.grid, only=args.only, extend=args.extend, sets=args.set)
     root = Path(args.root or f"runs/{args.grid}")
     if args.gpus_per_run < 1:

@@ -8,7 +8,6 @@ from ..study.report import build_report
 
 
 def configure_parser(parser) -> None:
-
     parser.add_argument("grid", metavar="NAME", help=f"grid name: {', '.join(GRIDS)}")
     parser.add_argument("--root", default=None, metavar="DIR", help="runs folder (default runs/NAME)")
     parser.add_argument("--out", default=None, metavar="DIR", help="report folder (default ROOT/report)")
@@ -19,8 +18,8 @@ def configure_parser(parser) -> None:
                         "(default: fineweb_edu,wikipedia when present, else every split)")
     parser.add_argument("--no-plot", action="store_true", help="tables only")
 
-def run(args) -> int:
 
+def run(args) -> int:
     grid = build_grid(args.grid, only=args.only, extend=args.extend, sets=args.set)
     root = Path(args.root or f"runs/{args.grid}")
     if not root.is_dir():
