@@ -4,11 +4,12 @@ import pytest
 
 from fibattn import config as C
 from fibattn.presets import get_preset, paper, tiny
+from fibattn.validation import validate
 
 
 def test_presets_validate_and_roundtrip(tmp_path):
     for cfg in (paper(), tiny()):
-        C.validate(cfg)
+        validate(cfg)
         path = tmp_path / f"{cfg.name}.json"
         C.save(cfg, path)
         assert C.to_dict(C.load(path)) == C.to_dict(cfg)
@@ -57,7 +58,7 @@ def test_bad_overrides(item, needle):
 def test_validation_names_the_field(item, needle):
     cfg = C.apply_overrides(tiny(), [item])
     with pytest.raises(C.ConfigError, match=needle.replace(".", r"\.")):
-        C.validate(cfg)
+        validate(cfg)
 
 
 def test_unknown_key_in_file():

@@ -13,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [  # lowest first
     ("fibattn.config", "fibattn.presets", "fibattn.schedules", "fibattn.files", "fibattn.plots", "fibattn.checks",
-     "fibattn.devices"),
+     "fibattn.devices", "fibattn.validation"),
     ("fibattn.ops",),
     ("fibattn.generation",),
     ("fibattn.model", "fibattn.data"),

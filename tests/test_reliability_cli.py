@@ -63,7 +63,7 @@ CASES = [
     ("train-resume-missing", _tr("--resume", "{W}/no-such-checkpoint"), "no-such-checkpoint"),
     ("train-resume-empty", _tr("--resume", ""), "resume"),
     ("train-resume-corrupt", _tr("--resume", "{W}/bad-ckpt/checkpoints/step-2"), "model.safetensors"),
-    ("train-stop-at-zero", _tr("--stop-at", "0"), "stop_at"),
+    ("train-stop-at-zero", _tr("--stop-at", "0"), "--stop-at"),
     ("train-stop-at-type", _tr("--stop-at", "x"), "--stop-at"),
     ("train-unknown-flag", _tr("--bogus"), "--bogus"),
     ("train-preset-unknown", ["train", "--preset", "huge", "--out", "{O}"], "--preset"),

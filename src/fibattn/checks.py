@@ -6,6 +6,10 @@ import math
 import numbers
 
 
+class ConfigError(ValueError):
+    """A bad config value or argument; the message names the field and what is allowed."""
+
+
 def check_int(name: str, value, minimum: int) -> int:
     """An integer (Python or NumPy, never a bool) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:

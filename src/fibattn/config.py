@@ -3,7 +3,7 @@
 ``RunConfig`` = ``model`` + ``data`` + ``train`` (+ ``eval``). A preset returns a
 ``RunConfig``; ``apply_overrides(cfg, ["model.window=8", "train.lr=1e-3"])`` changes
 fields with type checking; ``to_dict`` / ``from_dict`` round-trip through JSON.
-Every field a user can set is checked in ``validate`` with an error that names it.
+Every field a user can set is checked by :func:`fibattn.validation.validate` with an error that names it.
 """
 from __future__ import annotations
 
@@ -13,12 +13,15 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import ConfigError
+
 # Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
 
 
-class ConfigError(ValueError):
-    """A bad config value; the message names the field and what is allowed."""
+def show_value(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -133,8 +136,11 @@ def to_dict(cfg) -> dict:
 
 
 def _build(cls, data: dict, where: str):
+    if isinstance(data, SourceConfig) and cls is SourceConfig:
+        return data
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(data).__name__}"
+                          + (f" {show_value(data)}" if not isinstance(data, (list, tuple)) else ""))
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
@@ -148,6 +154,8 @@ def _build(cls, data: dict, where: str):
         if dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, path)
         elif name == "sources":
+            if not isinstance(value, list):
+                raise ConfigError(f"{path} must be a list of source mappings, got {show_value(value)}")
             kwargs[name] = [_build(SourceConfig, v, f"{path}[{i}]") for i, v in enumerate(value)]
         else:
             kwargs[name] = value
@@ -164,17 +172,32 @@ def save(cfg: RunConfig, path) -> None:
 
 
 def load(path) -> RunConfig:
-    with open(path) as fh:
-        try:
+    """Read a config file (e.g. a run's ``config.json``); errors name the file. Call :func:`validate`
+    on the result before using it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a JSON file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise ConfigError(f"config file {path} is not valid JSON: {reason}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a JSON object (a mapping of sections), got "
+                          f"{type(data).__name__}")
     return from_dict(data)
 
 
 # ----------------------------------------------------------------------------- overrides
-def _parse_value(text: str, current: Any, key: str):
-    kind = type(current)
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
+
+
+def _parse_value(text: str, kind: type, key: str):
+    """``text`` as the field's declared type ``kind`` (bool, int, float, list or str)."""
     try:
         if kind is bool:
             low = text.strip().lower()
@@ -193,8 +216,8 @@ def _parse_value(text: str, current: Any, key: str):
                 for x in text.split(",") if x.strip()]
             return value
         return text
-    except (ValueError, json.JSONDecodeError):
-        raise ConfigError(f"{key} expects a {kind.__name__}, got {text!r}") from None
+    except (ValueError, json.JSONDecodeError, RecursionError, OverflowError):
+        raise ConfigError(f"{key} expects {_KIND_WORDS.get(kind, kind.__name__)}, got {text!r}") from None
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
@@ -215,133 +238,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 current = getattr(target, part)
                 if dataclasses.is_dataclass(current):
                     raise ConfigError(f"{key} is a section; set one of its fields, e.g. {key}.<field>=...")
-                value = _parse_value(text, current, key)
+                kind = typing.get_type_hints(type(target)).get(part, type(current))
+                value = _parse_value(text, kind, key)
                 if part == "sources":
-                    value = [v if isinstance(v, SourceConfig) else _build(SourceConfig, v, f"{key}[{j}]")
-                             for j, v in enumerate(value)]
+                    value = [_build(SourceConfig, v, f"{key}[{j}]") for j, v in enumerate(value)]
                 setattr(target, part, value)
             else:
                 target = getattr(target, part)
-    return cfg
-
-
-# ----------------------------------------------------------------------------- validation
-def _need(ok: bool, msg: str):
-    if not ok:
-        raise ConfigError(msg)
-
-
-def _int_at_least(obj, section: str, name: str, minimum: int):
-    v = getattr(obj, name)
-    _need(isinstance(v, int) and not isinstance(v, bool) and v >= minimum,
-          f"{section}.{name} must be an integer >= {minimum}, got {v!r}")
-
-
-def _num_in(obj, section: str, name: str, lo: float, hi: float, *, lo_open=False):
-    v = getattr(obj, name)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
-    rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-    _need(ok, f"{section}.{name} must be a number in {rng}, got {v!r}")
-
-
-def _choice(obj, section: str, name: str, allowed):
-    v = getattr(obj, name)
-    _need(v in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {v!r}")
-
-
-def validate_model(m: ModelConfig) -> None:
-    s = "model"
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len", "max_seq_len", "base_k"):
-        _int_at_least(m, s, name, 1)
-    _int_at_least(m, s, "window", 0)
-    _need(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
-    _need(m.head_dim % 2 == 0, f"model.d_model / model.n_heads must be even for RoPE, got {m.head_dim}")
-    _need(m.n_heads % m.n_kv_heads == 0,
-          f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})")
-    _need(m.seq_len <= m.max_seq_len, f"model.seq_len must be <= model.max_seq_len ({m.max_seq_len}), got {m.seq_len}")
-    _num_in(m, s, "rope_theta", 0, 1e12, lo_open=True)
-    _num_in(m, s, "norm_eps", 0, 1, lo_open=True)
-    _num_in(m, s, "init_std", 0, 10, lo_open=True)
-    _choice(m, s, "attention", ("dense", "sparse"))
-    _choice(m, s, "base", ("fib", "pow2", "custom"))
-    _choice(m, s, "schedule", ("fixed", "linear", "coprime", "learned", "custom"))
-    _choice(m, s, "learned_init", ("fixed", "linear", "coprime"))
-    _choice(m, s, "reach", ("study", "train"))
-    _choice(m, s, "backend", ("auto",) + BACKENDS)
-    _num_in(m, s, "a_min", 0, 1e6, lo_open=True)
-    _num_in(m, s, "a_max", 0, 1e6, lo_open=True)
-    _need(m.a_min <= m.a_max, f"model.a_min must be <= model.a_max, got {m.a_min} > {m.a_max}")
-    _num_in(m, s, "alpha", m.a_min, m.a_max)
-    if m.base == "custom":
-        _need(bool(m.base_values) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
-                                           for b in m.base_values),
-              f"model.base_values must be a non-empty list of positive integers when model.base=custom, "
-              f"got {m.base_values!r}")
-    if m.schedule == "custom":
-        _need(len(m.alphas) == m.n_layers, f"model.alphas must hold model.n_layers={m.n_layers} values, "
-              f"got {len(m.alphas)}")
-        for a in m.alphas:
-            _need(isinstance(a, (int, float)) and m.a_min <= a <= m.a_max,
-                  f"model.alphas values must lie in [a_min, a_max] = [{m.a_min}, {m.a_max}], got {a!r}")
-    if m.schedule == "learned":
-        _need(m.a_min < m.a_max, f"model.a_min must be < model.a_max for a learned schedule, got {m.a_min}")
-
-
-def validate_data(d: DataConfig) -> None:
-    _choice(d, "data", "tokenizer", ("byte", "bpe"))
-    _int_at_least(d, "data", "vocab_size", 256 if d.tokenizer == "bpe" else 1)
-    _num_in(d, "data", "val_fraction", 0, 0.5, lo_open=True)
-    _int_at_least(d, "data", "val_tokens_max", 1)
-    _int_at_least(d, "data", "shard_tokens", 1024)
-    _need(bool(d.sources), "data.sources must list at least one source")
-    names = set()
-    for i, src in enumerate(d.sources):
-        s = f"data.sources[{i}]"
-        _choice(src, s, "kind", ("bundled", "files", "hf"))
-        _need(isinstance(src.name, str) and src.name.replace("-", "").replace("_", "").isalnum(),
-              f"{s}.name must be a non-empty name of letters, digits, - and _, got {src.name!r}")
-        _need(src.name not in names, f"{s}.name {src.name!r} is used twice; source names must be unique")
-        names.add(src.name)
-        _num_in(src, s, "weight", 0, 1e9, lo_open=True)
-        _int_at_least(src, s, "max_docs", 0)
-        if src.kind != "bundled":
-            _need(bool(src.path), f"{s}.path is required for kind={src.kind}")
-
-
-def validate_train(t: TrainConfig) -> None:
-    s = "train"
-    for name in ("steps", "batch_tokens", "micro_batch", "log_every", "ckpt_every", "keep_ckpts",
-                 "max_bad_steps", "eval_tokens"):
-        _int_at_least(t, s, name, 1)
-    for name in ("warmup_steps", "eval_every", "threads", "seed"):
-        _int_at_least(t, s, name, 0)
-    _num_in(t, s, "lr", 0, 10, lo_open=True)
-    _num_in(t, s, "min_lr_ratio", 0, 1)
-    _num_in(t, s, "weight_decay", 0, 10)
-    _num_in(t, s, "beta1", 0, 1)
-    _num_in(t, s, "beta2", 0, 1)
-    _num_in(t, s, "grad_clip", 0, 1e9)
-    _choice(t, s, "precision", ("auto", "fp32", "bf16"))
-    _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
-          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
-    _need(isinstance(t.results_db, str), f"train.results_db must be a path, '' (default) or 'off', got {t.results_db!r}")
-
-
-def validate_eval(e: EvalConfig) -> None:
-    _need(bool(e.lengths) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in e.lengths),
-          f"eval.lengths must be a non-empty list of positive integers, got {e.lengths!r}")
-    _int_at_least(e, "eval", "tokens", 1)
-    _int_at_least(e, "eval", "batch_size", 1)
-    _choice(e, "eval", "reach", ("study", "train"))
-
-
-def validate(cfg: RunConfig) -> RunConfig:
-    validate_model(cfg.model)
-    validate_data(cfg.data)
-    validate_train(cfg.train)
-    validate_eval(cfg.eval)
-    tokens_per_micro = cfg.train.micro_batch * cfg.model.seq_len
-    _need(cfg.train.batch_tokens % tokens_per_micro == 0,
-          f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of "
-          f"train.micro_batch * model.seq_len ({tokens_per_micro})")
     return cfg

@@ -2,10 +2,14 @@
 rename) and the size + sha256 listings that checkpoints and exports verify against."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
 import tempfile
 from pathlib import Path
+
+from .checks import ConfigError
 
 
 def _umask() -> int:
@@ -35,6 +39,51 @@ def atomic_write_bytes(path, data: bytes) -> None:
 
 def atomic_write_text(path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+class PathError(ConfigError):
+    """An output path that cannot be created; the message names the path and the setting."""
+
+
+def check_creatable(path, setting: str, kind: str = "folder") -> Path:
+    """Check, creating nothing, that ``path`` is an existing ``kind`` (folder | file) or can be
+    created: nothing on its way is a regular file, and the nearest existing folder is writable.
+    A :class:`PathError` naming ``setting`` otherwise."""
+    p = Path(path).expanduser()
+    if p.exists() and (p.is_dir() != (kind == "folder")):
+        raise PathError(f"{setting} {p} exists and is not a {kind}; choose another {setting}")
+    parent = p if kind == "folder" else p.parent
+    while not parent.exists() and parent != parent.parent:
+        if parent.is_symlink():
+            raise PathError(f"{setting} {p} is not writable: {parent} is a broken link; choose another {setting}")
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PathError(f"{setting} {p} is not writable: {parent} is a file, not a folder; choose another "
+                        f"{setting}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PathError(f"{setting} {p} is not writable: no write permission on {parent.absolute()}; "
+                        f"choose another {setting}")
+    return p
+
+
+@contextlib.contextmanager
+def naming_os_errors(path, setting: str):
+    """Re-raise an OSError met while writing ``path`` with the path and ``setting`` in its message."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno is None:                  # a message fibattn wrote already
+            raise
+        raise OSError(exc.errno, f"cannot write {exc.filename or path} ({setting}): {exc.strerror or exc}") from None
+
+
+def os_error_line(exc: OSError, setting: str | None = None) -> str:
+    """One line for an operating-system error: the path(s), the reason and, when known, the setting."""
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno == errno.ENOSPC:
+        reason += " (the disk is full: free some space, then run the command again)"
+    return f"{where + ': ' if where else ''}{reason}{f' (from {setting})' if setting else ''}"
 
 
 def fsync_dir(path) -> None:

@@ -7,10 +7,11 @@ one-line error naming the field.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
-from ..config import ConfigError
+from ..files import os_error_line
 from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, train
 
 COMMANDS = {
@@ -25,10 +26,6 @@ COMMANDS = {
     "export": (export, "write a portable model folder"),
     "bench": (bench, "benchmarks: attention, train, generate"),
 }
-
-
-class UsageError(Exception):
-    """Bad user input: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,10 +56,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return int(args._module.run(args) or 0)
-    except (UsageError, ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError) as exc:
+    except ValueError as exc:              # ConfigError, PathError, CheckpointError, ShardError, ...: bad input
         print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:                 # the file system refused: one line naming the path, never a traceback
+        print(f"fibattn {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
+        return 1 if exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) else 2
     except KeyboardInterrupt:
         print("fibattn: interrupted", file=sys.stderr)
         return 130

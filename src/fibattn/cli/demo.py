@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+from ..files import check_creatable
 from ..study import report as Rp
 from ..study.demo import NOTE, forget_runs, headline_lines
 from ..study.grid import build_grid
@@ -36,7 +36,7 @@ def cpu_workers(jobs: int, device: str) -> list[str] | None:
 def run(args) -> int:
     sets = list(args.set) + [f"train.device={args.device}"]
     grid = build_grid("demo", only=args.only, sets=sets)
-    root = Path(args.root)
+    root = check_creatable(args.root, "--root")
     cfg = grid.config(grid.runs[0], root)
     T, lengths = cfg.model.seq_len, list(cfg.eval.lengths)
     print(f"fibattn demo: {len(grid.runs)} runs ({', '.join(grid.names())}) under {root}\n"

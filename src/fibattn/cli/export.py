@@ -10,7 +10,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a training run folder (or one checkpoint folder)")
     parser.add_argument("out_dir", metavar="OUT", help="the folder to write (must be new or empty)")
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it holds an earlier export")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an earlier export in OUT: only the files its config.json lists are replaced "
+                             "or removed; anything else in OUT is kept")
 
 
 def run(args) -> int:

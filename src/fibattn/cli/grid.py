@@ -1,8 +1,8 @@
 """``fibattn grid``: run an experiment grid (or print its torchrun / Slurm commands)."""
 from __future__ import annotations
 
-from pathlib import Path
 
+from ..files import check_creatable
 from ..study import runner as R
 from ..study.grid import GRIDS, build_grid
 
@@ -36,7 +36,7 @@ def configure_parser(parser) -> None:
 
 def run(args) -> int:
     grid = build_grid(args.grid, only=args.only, extend=args.extend, sets=args.set)
-    root = Path(args.root or f"runs/{args.grid}")
+    root = check_creatable(args.root or f"runs/{args.grid}", "--root")
     if args.gpus_per_run < 1:
         raise ValueError(f"--gpus-per-run must be >= 1, got {args.gpus_per_run}")
     if args.print_commands:

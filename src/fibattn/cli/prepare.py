@@ -3,6 +3,10 @@
     fibattn prepare [--preset tiny|paper] [--set data.field=value ...] [--out DIR] [--force]
     fibattn prepare --verify DIR
 
+``--verify DIR`` re-hashes an existing folder and builds nothing, so it takes none of
+``--preset``, ``--set``, ``--out`` or ``--force`` (given together they are an error, never
+silently ignored).
+
 Sources other than the preset's are given as JSON, e.g.
 ``--set 'data.sources=[{"name":"mine","kind":"files","path":"corpus/"}]'``.
 The Python API is :func:`fibattn.data.prepare` / :func:`fibattn.data.ensure_prepared`.
@@ -11,13 +15,15 @@ from __future__ import annotations
 
 import time
 
-from ..config import apply_overrides
+from ..config import ConfigError, apply_overrides
+from ..data.manifest import read_manifest
+from ..data.pipeline import prepare, verify_prepared
+from ..files import check_creatable
 from ..presets import PRESETS, get_preset
-from ..data.pipeline import prepare, read_manifest, verify_prepared
 
 
 def configure_parser(p) -> None:
-    p.add_argument("--preset", default="tiny", help=f"config preset ({' | '.join(PRESETS)}; default tiny)")
+    p.add_argument("--preset", default=None, help=f"config preset ({' | '.join(PRESETS)}; default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.FIELD=VALUE",
                    help="override a config field (repeatable), e.g. --set data.val_fraction=0.05")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the preset's data.out_dir)")
@@ -38,17 +44,32 @@ def _summary(folder, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _verify_conflicts(args) -> list[str]:
+    given = [("--preset", args.preset is not None), ("--set", bool(args.overrides)), ("--out", args.out is not None),
+             ("--force", args.force)]
+    return [flag for flag, on in given if on]
+
+
 def run(args) -> int:
-    if args.verify:
+    if args.verify is not None:
+        conflicts = _verify_conflicts(args)
+        if conflicts:
+            raise ConfigError(f"--verify DIR checks an existing prepared folder and builds nothing; it cannot be "
+                             f"combined with {', '.join(conflicts)} (run the prepare and the verify as two commands)")
+        if not args.verify:
+            raise ConfigError("--verify needs a folder: --verify DIR (a prepared data folder)")
         t0 = time.perf_counter()
         rep = verify_prepared(args.verify)
         print(f"verified {rep['folder']}: {rep['files']} shard files, {rep['tokens']} tokens, all checksums "
               f"match ({time.perf_counter() - t0:.1f}s)")
         return 0
-    cfg = apply_overrides(get_preset(args.preset), args.overrides)
-    if args.out:
-        cfg.data.out_dir = args.out
+    cfg = apply_overrides(get_preset(args.preset or "tiny"), args.overrides)
+    if args.out is not None:
+        cfg.data.out_dir = str(check_creatable(args.out, "--out"))
     t0 = time.perf_counter()
-    folder = prepare(cfg.data, progress=not args.quiet, force=args.force)
+    try:
+        folder = prepare(cfg.data, progress=not args.quiet, force=args.force)
+    except ImportError as exc:           # an optional package a source or tokenizer needs: one line, exit 2
+        raise ConfigError(" ".join(str(exc).split())) from None
     print(_summary(folder, time.perf_counter() - t0))
     return 0

@@ -9,6 +9,7 @@ import torch
 
 from ..checks import parse_int_list
 from ..devices import resolve_device
+from ..files import check_creatable
 from ..study.probe import ProbeConfig, preset, run_probe
 
 
@@ -59,6 +60,7 @@ def config_from_args(args) -> ProbeConfig:
 
 def run(args) -> int:
     cfg = config_from_args(args)
+    check_creatable(args.out, "--out")
     if args.threads < 0:
         raise ValueError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
     if args.threads:

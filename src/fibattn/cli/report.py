@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..files import check_creatable
 from ..study.grid import GRIDS, build_grid
 from ..study.report import build_report
 
@@ -24,6 +25,7 @@ def run(args) -> int:
     root = Path(args.root or f"runs/{args.grid}")
     if not root.is_dir():
         raise FileNotFoundError(f"--root {root} does not exist; run `fibattn grid {args.grid} --root {root}` first")
+    check_creatable(args.out or root / "report", "--out")
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
     files = build_report(grid, root, args.out, datasets=datasets, plot=not args.no_plot)
     for t in files.tables:

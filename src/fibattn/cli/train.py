@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from .. import config as C
+from ..checks import check_int
 from ..config import ConfigError, RunConfig
 from ..trainer.trainer import TrainingAborted, train
+from ..validation import validate
 
 
 def build_config(args) -> RunConfig:
@@ -17,7 +19,7 @@ def build_config(args) -> RunConfig:
     C.apply_overrides(cfg, args.set or [])
     if args.out:
         cfg.train.out_dir = args.out
-    return C.validate(cfg)
+    return validate(cfg)
 
 
 def configure_parser(parser) -> None:
@@ -32,6 +34,8 @@ def configure_parser(parser) -> None:
 
 
 def run(args) -> int:
+    if args.stop_at is not None:
+        check_int("--stop-at", args.stop_at, 1)
     cfg = build_config(args)
     try:
         result = train(cfg, resume=args.resume, stop_at=args.stop_at)

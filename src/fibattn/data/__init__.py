@@ -6,7 +6,8 @@ Public API::
     ensure_prepared(data_cfg) -> Path                           # reuse when it matches, else build
     verify_prepared(path) -> dict                               # re-hash every file
     TokenData(path, verify=False)                               # .vocab_size .eos_id .tokenizer .manifest
-        .val_names, .val_tokens(name), .train_loader(seq_len, micro_batch, *, seed, rank, world_size)
+        .val_names, .val_tokens(name, verify=True)              # verified against the manifest (cached)
+        .train_loader(seq_len, micro_batch, *, seed, rank, world_size)
     Loader.next() -> (x, y); .state_dict(); .load_state_dict(d)
     load_tokenizer(path) -> ByteTokenizer | BPETokenizer
 
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 from .corpus import corpus_texts, read_corpus
 from .loader import Loader, TokenData
-from .pipeline import MANIFEST_FILE, ensure_prepared, prepare, read_manifest, verify_prepared
+from .manifest import MANIFEST_FILE, read_manifest
+from .pipeline import ensure_prepared, prepare, verify_prepared
 from .shards import ShardError, open_shard, write_shard
 from .tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 

@@ -3,7 +3,15 @@
 Shapes: ``Loader.next()`` returns ``(x, y)``, int64 CPU tensors of shape
 ``(micro_batch, seq_len)`` with ``y[:, t] == x[:, t + 1]`` inside one window of
 ``seq_len + 1`` consecutive training tokens. ``TokenData.val_tokens(name)`` is a 1-D
-read-only memmap.
+read-only memmap, checked against the manifest before it is returned (see below).
+
+Verification. Opening a folder always checks the manifest's keys and types, the tokenizer's
+sha256 and every shard's header and size. ``TokenData(path, verify=True)`` also re-hashes
+every shard. A validation split is what evaluation turns into a number, so
+``val_tokens(name)`` (``verify=True``, the default) returns it only once its whole file
+hashes to the manifest's sha256 and its token ids lie in the vocabulary; the check is
+cached per file (in memory and in a sidecar in the folder, :mod:`fibattn.data.verified`),
+so repeated evaluations of an unchanged folder hash each split once.
 
 Sampling. Training sequence number ``n`` (a global counter, 0, 1, 2, ...) is a pure
 function of ``(seed, n)``: a counter-based hash (splitmix64) of ``n`` picks the source with
@@ -23,8 +31,9 @@ import numpy as np
 import torch
 
 from ..checks import check_int
-from .pipeline import read_manifest
+from .manifest import read_manifest
 from .shards import ShardError, open_shard
+from .verified import verified_shard
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -84,11 +93,16 @@ class TokenData:
         self._tokenizer = None
         self._train: dict[str, _SourceTokens] = {}
         self._val: dict[str, np.ndarray] = {}
+        self._val_rec: dict[str, dict] = {}
         self.weights: dict[str, float] = {}
         for src in self.manifest["sources"]:
             shards = [self._open(rec, verify) for rec in src["shards"]]
             self._train[src["name"]] = _SourceTokens(src["name"], shards)
-            self._val[src["name"]] = self._open(src["val"], verify)
+            self._val_rec[src["name"]] = src["val"]
+            if verify:
+                self._val[src["name"]] = verified_shard(self.path, src["val"], self.vocab_size, force=True)
+            else:
+                self._val[src["name"]] = self._open(src["val"], False)
             self.weights[src["name"]] = float(src["weight"])
 
     def _check_tokenizer(self) -> None:
@@ -98,7 +112,11 @@ class TokenData:
         path = self.path / rec.get("file", "tokenizer.json")
         if not path.is_file():
             raise ShardError(f"tokenizer {path} is missing (the manifest of {self.path} names it)")
-        if rec.get("sha256") and tokenizer_sha256(path) != rec["sha256"]:
+        try:
+            digest = tokenizer_sha256(path)
+        except OSError as exc:
+            raise ShardError(f"tokenizer {path} cannot be read: {exc.strerror or exc}") from None
+        if digest != rec["sha256"]:
             raise ShardError(f"tokenizer {path} does not match the shards: its sha256 differs from the manifest's; "
                              f"prepare the data again with --force")
 
@@ -107,6 +125,9 @@ class TokenData:
         arr = open_shard(path, verify=verify, expected_sha256=rec["sha256"])
         if arr.size != rec["tokens"]:
             raise ShardError(f"shard {path} holds {arr.size} tokens, the manifest says {rec['tokens']}")
+        if verify and arr.size and int(arr.max()) >= self.vocab_size:
+            raise ShardError(f"shard {path} holds token id {int(arr.max())}, outside the vocabulary "
+                             f"[0, {self.vocab_size - 1}] of the manifest")
         return arr
 
     @property
@@ -125,9 +146,19 @@ class TokenData:
     def source_names(self) -> list[str]:
         return list(self._train)
 
-    def val_tokens(self, name: str) -> np.ndarray:
+    def val_tokens(self, name: str, *, verify: bool = True) -> np.ndarray:
+        """The validation split ``name`` (1-D, read-only).
+
+        ``verify=True`` (the default; what evaluation relies on): its file must hash to the
+        manifest's sha256 and hold only ids ``< vocab_size``, else :class:`ShardError` naming
+        the file. The check is cached while the file's size, mtime, ctime and inode stay the
+        same (:func:`fibattn.data.verified.verified_shard`), so only the first call per file
+        hashes. ``verify=False``: header and size checks only, as opened.
+        """
         if name not in self._val:
             raise ValueError(f"no validation split {name!r} in {self.path} (have: {', '.join(self._val)})")
+        if verify:
+            self._val[name] = verified_shard(self.path, self._val_rec[name], self.vocab_size)
         return self._val[name]
 
     def train_tokens(self, name: str) -> int:

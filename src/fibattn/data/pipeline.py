@@ -14,30 +14,44 @@ stream is its documents in order. Validation split: the last
 next to ``out_dir`` and renamed into place, so a folder with a manifest is complete.
 Re-running with the same config reuses the folder; a different config is an error
 unless ``force=True`` (which always rebuilds).
+
+Interrupted runs. The staging folder is ``.<out name>.partial-<random>`` and holds the
+marker file ``.fibattn-staging`` (naming the target, pid and host) that its prepare keeps
+locked while it runs. A prepare killed outright (``kill -9``, power loss) cannot remove
+it; the next prepare of the same ``out_dir`` removes every such folder whose marker names
+this target and is no longer held (its process is gone), with a one-line notice each; a
+``force`` rebuild moves the folder it replaces into such a marked folder too, so a kill
+there is cleaned up the same way. (``.<out name>.old-<pid>`` folders left by earlier
+versions are removed when their pid is gone and they hold only prepared-folder files.)
+Folders without fibattn's marker are never touched.
+
+A ``manifest.json`` is checked when read (:func:`read_manifest`): every key fibattn uses
+must be there with the right type, and file names must be plain names inside the folder.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import math
 import os
 import shutil
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError, DataConfig, SourceConfig, validate_data
-from ..files import atomic_write_text
-from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab, open_shard, write_shard
+from ..config import ConfigError, DataConfig, SourceConfig
+from ..files import atomic_write_text, check_creatable, naming_os_errors
+from ..validation import validate_data
+from .manifest import MANIFEST_FILE, read_manifest
+from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab
 from .sources import check_source, describe_source, iter_documents
+from .staging import Staging, clean_leftovers
 from .tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_sha256, train_bpe
+from .verified import verified_shard
+from .writing import Progress, SourceWriter
 
 log = logging.getLogger("fibattn")
-MANIFEST_FILE = "manifest.json"
 BPE_TRAIN_CHARS = 1 << 28          # characters sampled (split by source weight) to train a BPE
 _BATCH_DOCS, _BATCH_CHARS = 256, 1 << 23
 
@@ -73,21 +87,6 @@ def config_record(cfg: DataConfig) -> dict:
     rec = dataclasses.asdict(cfg)
     rec.pop("out_dir")
     return rec
-
-
-def read_manifest(folder) -> dict:
-    path = Path(folder) / MANIFEST_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} is not a prepared data folder: no {MANIFEST_FILE} "
-                                f"(run `fibattn prepare`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')!r}; "
-                         f"this fibattn reads {FORMAT_VERSION} (prepare the data again with --force)")
-    return manifest
 
 
 def _differences(old, new, where="data") -> list[str]:
@@ -134,109 +133,6 @@ def _check_existing(out: Path, cfg: DataConfig) -> bool:
                       f"use --force to rebuild it or choose another --out")
 
 
-# ---------------------------------------------------------------------------- progress
-class Progress:
-    """One greppable ``prepare:`` line every few seconds (or a live line on a TTY)."""
-
-    def __init__(self, enabled: bool, stream=None, every_s: float = 2.0):
-        self.enabled, self.stream, self.every_s = enabled, stream or sys.stderr, every_s
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = self.last = time.perf_counter()
-        self.shown = None
-
-    def begin(self):
-        self.start = self.last = time.perf_counter()
-        self.shown = None
-
-    def _line(self, name, docs, tokens):
-        el = max(time.perf_counter() - self.start, 1e-9)
-        return f"prepare: source={name} docs={docs} tokens={tokens} tok/s={tokens / el:.3g} elapsed={el:.1f}s"
-
-    def update(self, name, docs, tokens, final=False):
-        if not self.enabled:
-            return
-        now = time.perf_counter()
-        if (not final and now - self.last < (0.2 if self.tty else self.every_s)) or \
-                (final and not self.tty and self.shown == (name, docs, tokens)):
-            return
-        self.last, self.shown = now, (name, docs, tokens)
-        line = self._line(name, docs, tokens)
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if final else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
-# ------------------------------------------------------------------------------ writing
-class _ShardSink:
-    """Cuts a token stream into shards of ``shard_tokens``."""
-
-    def __init__(self, folder: Path, stem: str, dtype, shard_tokens: int):
-        self.folder, self.stem, self.dtype, self.size = folder, stem, dtype, shard_tokens
-        self.buf: list[np.ndarray] = []
-        self.n = 0
-        self.shards: list[dict] = []
-
-    def add(self, arr: np.ndarray):
-        self.buf.append(arr)
-        self.n += arr.size
-        if self.n < self.size:
-            return
-        flat = np.concatenate(self.buf)
-        full = flat.size // self.size * self.size
-        for start in range(0, full, self.size):
-            self._write(flat[start:start + self.size])
-        rest = flat[full:]
-        self.buf, self.n = ([rest] if rest.size else []), rest.size
-
-    def _write(self, arr):
-        path = self.folder / f"{self.stem}_{len(self.shards):05d}.bin"
-        self.shards.append(write_shard(path, arr, self.dtype))
-
-    def close(self):
-        if self.n:
-            self._write(np.concatenate(self.buf))
-        self.buf, self.n = [], 0
-
-
-class _SourceWriter:
-    """Streams one source: everything but a held-back tail goes to shards; the tail is split at the end."""
-
-    def __init__(self, folder: Path, name: str, dtype, cfg: DataConfig):
-        self.folder, self.name, self.dtype, self.cfg = folder, name, dtype, cfg
-        self.sink = _ShardSink(folder, f"train_{name}", dtype, cfg.shard_tokens)
-        self.keep = cfg.val_tokens_max                  # the validation tail is never longer
-        self.flush = max(self.keep, 1 << 20)
-        self.tail: list[np.ndarray] = []
-        self.tail_n = 0
-        self.total = 0
-
-    def add(self, arr: np.ndarray):
-        self.tail.append(arr)
-        self.tail_n += arr.size
-        self.total += arr.size
-        if self.tail_n >= self.keep + self.flush:
-            flat = np.concatenate(self.tail)
-            cut = flat.size - self.keep
-            self.sink.add(flat[:cut])
-            self.tail, self.tail_n = [flat[cut:]], self.keep
-
-    def finish(self, where: str) -> dict:
-        n_val = min(math.ceil(self.cfg.val_fraction * self.total), self.cfg.val_tokens_max)
-        if self.total == 0:
-            raise ValueError(f"{where} ({self.name}) produced no tokens: the source is empty")
-        if self.total - n_val < 1:
-            raise ValueError(f"{where} ({self.name}) has only {self.total} tokens, too few to hold out a "
-                             f"validation split and still train")
-        flat = np.concatenate(self.tail) if self.tail else np.zeros(0, self.dtype)
-        self.sink.add(flat[:flat.size - n_val])
-        self.sink.close()
-        val = write_shard(self.folder / f"val_{self.name}.bin", flat[flat.size - n_val:], self.dtype)
-        return {"tokens": self.total, "train_tokens": self.total - n_val, "val_tokens": n_val,
-                "shards": self.sink.shards, "val": val}
-
-
 def _batches(docs):
     batch, chars = [], 0
     for doc in docs:
@@ -250,7 +146,7 @@ def _batches(docs):
 
 
 def _tokenise_source(src, where, tok, dtype, folder, cfg, progress) -> dict:
-    writer = _SourceWriter(folder, src.name, dtype, cfg)
+    writer = SourceWriter(folder, src.name, dtype, cfg)
     eos = np.asarray([tok.eos_id], dtype=dtype)
     docs = 0
     progress.begin()
@@ -318,10 +214,18 @@ def _install(staging: Path, out: Path, cfg: DataConfig, force: bool) -> None:
     """Rename ``staging`` to ``out``. With ``force`` an existing ``out`` is replaced; without, a
     matching folder that a concurrent prepare installed meanwhile is kept (and ours dropped)."""
     if force and out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(staging, out)
-        shutil.rmtree(old)
+        trash = Staging(out)               # marked and locked: a kill below leaves a folder the next run removes
+        try:
+            os.replace(out, trash.path / "old")
+            try:
+                os.replace(staging, out)
+            except BaseException:
+                os.replace(trash.path / "old", out)         # never leave out_dir missing
+                raise
+            shutil.rmtree(trash.path / "old")
+        finally:
+            shutil.rmtree(trash.path, ignore_errors=True)
+            trash.close()
         return
     try:
         os.replace(staging, out)            # fails if out appeared meanwhile and is not empty
@@ -337,25 +241,61 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
     An existing folder whose manifest matches the config is reused; a mismatching or foreign
     one is a ConfigError. ``force=True`` rebuilds and replaces it whatever it holds."""
     cfg = normalise(data_cfg)
+    if not isinstance(cfg.out_dir, (str, os.PathLike)) or not str(cfg.out_dir).strip():
+        raise ConfigError(f"data.out_dir must name a folder to create or reuse, got {cfg.out_dir!r}")
     out = Path(cfg.out_dir).expanduser()
+    _check_out_path(out)
+    clean_leftovers(out)
     if force:
         _check_replaceable(out)
     elif _check_existing(out, cfg):
         log.info("data: reusing %s (manifest matches the config)", out)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    staging.chmod(0o777 & ~umask)
+    made = _make_parents(out.parent)
+    staging = None
     try:
-        manifest = _build(cfg, staging, Progress(progress))
-        atomic_write_text(staging / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _install(staging, out, cfg, force)
+        with naming_os_errors(out, "data.out_dir"):
+            staging = Staging(out)
+            manifest = _build(cfg, staging.path, Progress(progress))
+            atomic_write_text(staging.path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            staging.unmark()
+            _install(staging.path, out, cfg, force)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging.path, ignore_errors=True)
+        for folder in made:              # parents this call created, innermost first, if still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
+    finally:
+        if staging is not None:
+            staging.close()
     return out
+
+
+def _check_out_path(out: Path) -> None:
+    """``out_dir`` must be creatable: no existing file on its path."""
+    if out.name in ("", ".", ".."):
+        raise ConfigError(f"data.out_dir must name a folder to create or reuse (not '', '.', '..' or '/'), "
+                          f"got {str(out)!r}")
+    check_creatable(out, "data.out_dir")
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """Create ``folder`` and missing parents; returns the ones created, innermost first."""
+    missing = []
+    for p in [folder, *folder.parents]:
+        if p.exists():
+            break
+        missing.append(p)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"data.out_dir: cannot create the folder {folder}: {exc.strerror or exc}; "
+                          f"choose another --out") from None
+    return missing
 
 
 def ensure_prepared(data_cfg: DataConfig, *, progress: bool = True) -> Path:
@@ -369,17 +309,17 @@ def verify_prepared(folder) -> dict:
     manifest = read_manifest(folder)
     tok = manifest["tokenizer"]
     tok_path = folder / tok["file"]
-    if not tok_path.is_file() or tokenizer_sha256(tok_path) != tok["sha256"]:
+    try:
+        same = tok_path.is_file() and tokenizer_sha256(tok_path) == tok["sha256"]
+    except OSError as exc:
+        raise ShardError(f"tokenizer {tok_path} cannot be read: {exc.strerror or exc}") from None
+    if not same:
         raise ShardError(f"tokenizer {tok_path} is missing or does not match the manifest sha256")
     files = tokens = 0
     for src in manifest["sources"]:
         for rec in src["shards"] + [src["val"]]:
-            path = folder / rec["file"]
-            arr = open_shard(path, verify=True, expected_sha256=rec["sha256"])
-            if arr.size != rec["tokens"]:
-                raise ShardError(f"shard {path} holds {arr.size} tokens, the manifest says {rec['tokens']}")
-            if arr.size and int(arr.max()) >= manifest["vocab_size"]:
-                raise ShardError(f"shard {path} holds token id {int(arr.max())} >= vocab_size {manifest['vocab_size']}")
+            # every file is hashed now (force); the check is remembered for the validation reads
+            arr = verified_shard(folder, rec, manifest["vocab_size"], force=True)
             files += 1
             tokens += arr.size
     return {"folder": str(folder), "files": files, "tokens": int(tokens)}

@@ -96,6 +96,8 @@ def read_header(path) -> ShardHeader:
             raw = fh.read(HEADER_BYTES)
     except FileNotFoundError:
         raise ShardError(f"shard {path} is missing") from None
+    except OSError as exc:                  # a folder in its place, no permission, an I/O error
+        raise ShardError(f"shard {path} cannot be read: {exc.strerror or exc}") from None
     if len(raw) < HEADER_BYTES:
         raise ShardError(f"shard {path} is truncated: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
     magic, version, code, count, digest = HEADER.unpack(raw)

@@ -6,7 +6,10 @@ stopping after ``src.max_docs`` (0: all). Empty documents (and ``None`` fields) 
 - ``bundled``: the packaged Shakespeare corpus, one document per text (42).
 - ``files``: a ``.txt`` / ``.jsonl`` / ``.parquet`` file, or a folder searched recursively
   for them (sorted by relative path). A ``.txt`` file is one document; a ``.jsonl`` line or
-  a ``.parquet`` row is one document, its text in ``src.text_field``.
+  a ``.parquet`` row is one document, its text in ``src.text_field``. Text is UTF-8 (a
+  leading byte-order mark is allowed). Nothing is skipped silently: a listed file that
+  cannot be read (permissions), a broken link with one of these suffixes or a subfolder
+  that cannot be listed is an error naming it, before anything is written.
 - ``hf``: ``datasets.load_dataset(path, subset or None, split=split, streaming=True)``,
   reading ``src.text_field`` of each row. ``path`` may be a hub id or a local folder laid
   out like a hub dataset (parquet / jsonl data files).
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -31,53 +35,130 @@ def _text_of(value, where: str):
     raise ValueError(f"{where} is a {type(value).__name__}, expected a string")
 
 
+def _unreadable(path: Path, where: str, exc: OSError) -> ConfigError:
+    return ConfigError(f"{where}: {path} cannot be read ({exc.strerror or exc}); make it readable or remove it "
+                       f"from the source")
+
+
+def _walk(root: Path, where: str) -> list[Path]:
+    """Every file under ``root`` with a source suffix (linked folders followed, each real folder
+    once). A folder that cannot be listed, a broken link or a special file (fifo, device) with a
+    source suffix is an error, never skipped."""
+    def fail(exc: OSError):
+        raise _unreadable(Path(exc.filename or root), where, exc)
+
+    found, seen = [], set()
+    for folder, subdirs, names in os.walk(root, onerror=fail, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:                 # a link back up the tree: already read
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        for name in names:
+            path = Path(folder) / name
+            if path.suffix not in FILE_SUFFIXES:
+                continue
+            if not path.exists():
+                raise ConfigError(f"{where}: {path} is a broken link (its target does not exist); fix or remove it")
+            if not path.is_file():
+                raise ConfigError(f"{where}: {path} is not a regular file; remove it from the source folder")
+            found.append(path)
+    return found
+
+
+def _check_readable(path: Path, where: str) -> None:
+    if not os.access(path, os.R_OK):
+        raise _unreadable(path, where, PermissionError(13, "permission denied"))
+
+
 def list_files(src: SourceConfig, where: str) -> list[Path]:
-    """The files a ``files`` source reads, in reading order."""
+    """The files a ``files`` source reads, in reading order (each checked to be readable)."""
     root = Path(src.path).expanduser()
     if not root.exists():
+        if root.is_symlink():
+            raise ConfigError(f"{where}.path {src.path!r} is a broken link (its target does not exist)")
         raise ConfigError(f"{where}.path {src.path!r} does not exist")
     if root.is_file():
         if root.suffix not in FILE_SUFFIXES:
             raise ConfigError(f"{where}.path {src.path!r} must end in one of {', '.join(FILE_SUFFIXES)}")
+        _check_readable(root, f"{where}.path")
         return [root]
-    files = sorted((p for p in root.rglob("*") if p.is_file() and p.suffix in FILE_SUFFIXES),
-                   key=lambda p: p.relative_to(root).as_posix())
+    if not root.is_dir():
+        raise ConfigError(f"{where}.path {src.path!r} is neither a file nor a folder")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise _unreadable(root, f"{where}.path", PermissionError(13, "permission denied"))
+    files = sorted(_walk(root, f"{where}.path"), key=lambda p: p.relative_to(root).as_posix())
     if not files:
         raise ConfigError(f"{where}.path {src.path!r} is a folder with no {', '.join(FILE_SUFFIXES)} files")
+    for path in files:
+        _check_readable(path, f"{where}.path")
     return files
+
+
+def _read_error(path: Path, exc: OSError) -> ValueError:
+    return ValueError(f"{path} cannot be read ({exc.strerror or exc}); make it readable or remove it from the source")
+
+
+def _decode(raw: bytes, path: Path, where: str) -> str:
+    try:
+        return raw.decode("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not valid UTF-8 text (byte {exc.start}: {exc.reason}); fibattn reads "
+                         f"UTF-8 text files only, convert it (e.g. iconv -t UTF-8)") from None
 
 
 def _read_txt(path: Path) -> Iterator[str]:
     try:
-        yield path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not valid UTF-8 text: {exc}") from exc
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise _read_error(path, exc) from None
+    yield _decode(raw, path, str(path))
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    try:
+        with open(path, "rb") as fh:
+            yield from enumerate(fh, 1)
+    except OSError as exc:
+        raise _read_error(path, exc) from None
 
 
 def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno} is not valid JSON: {exc}") from exc
-            if not isinstance(row, dict) or field not in row:
-                keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path}:{lineno} has no text_field {field!r} (has: {keys})")
-            yield _text_of(row[field], f"{path}:{lineno} field {field!r}")
+    for lineno, raw in _lines(path):
+        line = _decode(raw, path, f"{path}:{lineno}")
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno} is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ValueError(f"{path}:{lineno} is not valid JSON: nested too deeply") from None
+        if not isinstance(row, dict) or field not in row:
+            keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"{path}:{lineno} has no text_field {field!r} (has: {keys})")
+        yield _text_of(row[field], f"{path}:{lineno} field {field!r}")
 
 
 def _read_parquet(path: Path, field: str) -> Iterator[str]:
     pq = require("pyarrow.parquet", f"reading {path}")
-    pf = pq.ParquetFile(path)
-    names = pf.schema_arrow.names
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+    except OSError as exc:
+        raise _read_error(path, exc) from None
+    except Exception as exc:             # pyarrow raises its own types for a file that is not parquet
+        raise ValueError(f"{path} is not a readable parquet file: {' '.join(str(exc).split())}") from None
     if field not in names:
         raise ValueError(f"{path} has no text_field column {field!r} (has: {', '.join(names)})")
-    for batch in pf.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            yield _text_of(value, f"{path} column {field!r}")
+    try:
+        for batch in pf.iter_batches(columns=[field], batch_size=1024):
+            for value in batch.column(0).to_pylist():
+                yield _text_of(value, f"{path} column {field!r}")
+    except (ValueError, ImportError):
+        raise
+    except Exception as exc:
+        raise ValueError(f"{path} cannot be read as parquet: {' '.join(str(exc).split())}") from None
 
 
 def _files_documents(src: SourceConfig, where: str) -> Iterator[str]:

@@ -147,14 +147,23 @@ def load_tokenizer(path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer at {file}")
     try:
-        obj = json.loads(file.read_text(encoding="utf-8"))
+        obj = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"tokenizer {file} cannot be read: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file} is not a tokenizer JSON file: {exc}") from exc
+        raise ValueError(f"{file} is not a tokenizer JSON file: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{file} is not a tokenizer JSON file: nested too deeply") from None
     if isinstance(obj, dict) and obj.get("fibattn_tokenizer") == "byte":
         if obj.get("vocab_size") != ByteTokenizer.vocab_size or obj.get("eos_id") != ByteTokenizer.eos_id:
-            raise ValueError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got {obj}")
+            raise ValueError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got "
+                             f"vocab_size={obj.get('vocab_size')!r} eos_id={obj.get('eos_id')!r}")
         return ByteTokenizer()
     if isinstance(obj, dict) and "model" in obj:
         tk = require("tokenizers", f"loading the bpe tokenizer {file}")
-        return BPETokenizer(tk.Tokenizer.from_file(str(file)))
+        try:
+            return BPETokenizer(tk.Tokenizer.from_file(str(file)))
+        except Exception as exc:         # the tokenizers package raises its own exception types
+            raise ValueError(f"{file} is not a valid Hugging Face tokenizer.json: "
+                             f"{' '.join(str(exc).split())}") from None
     raise ValueError(f"{file} is neither a fibattn byte tokenizer nor a Hugging Face tokenizer.json")

@@ -11,9 +11,17 @@ Rules (what a result means):
 
 - **Same tokens at every length.** The budget ``min(tokens, len(toks) - 1)`` is rounded
   down to a multiple ``N`` of the largest length; every length cuts the targets
-  ``toks[1 : N+1]`` into ``N / L`` back-to-back windows, so a 4096 window covers the same
-  text as four 1024 windows. Every position of every window is scored (the study's
+  ``toks[1 : N+1]`` into ``floor(N / L)`` back-to-back windows, so a 4096 window covers the
+  same text as four 1024 windows. Every position of every window is scored (the study's
   token-level perplexity), so a shorter length scores more tokens with little context.
+- **Any set of lengths works.** When a length ``L`` does not divide ``N`` (``33`` and ``47``
+  together, say), the ``r = N mod L`` targets left after the back-to-back windows are
+  scored by one more full-length window, the one that ends at target ``N`` (inputs
+  ``toks[N-L : N]``); only its last ``r`` positions are scored, the rest is context. So
+  every length still scores exactly the same ``N`` targets, each once, every forward pass
+  has length ``L`` (the model and its distances are those of length ``L``), and lengths
+  that divide ``N`` are scored exactly as before. The tail window's scored positions hold
+  one window more than the others in the per-position loss (it is a mean per position).
 - ``ppl = exp(mean token NLL)`` (natural log). ``bpb = sum NLL / (ln 2 * bytes)``, where
   ``bytes`` is the UTF-8 size of the scored targets: with the byte tokenizer every
   token other than end-of-document is one byte (eos counts 0); otherwise the scored
@@ -41,15 +49,14 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_int
-
+from .modes import REACH_MODES, banded_attention, dense_window_mode, reach_mode
 
 log = logging.getLogger("fibattn")
 
-__all__ = ["EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "count_bytes", "dense_window_mode",
-           "evaluate", "position_buckets", "reach_mode", "scored_budget", "scored_target_positions", "token_nll",
-           "window_starts"]
+__all__ = ["REACH_MODES", "EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "count_bytes",
+           "dense_window_mode", "evaluate", "position_buckets", "reach_mode", "scored_budget", "scored_target_positions", "token_nll",
+           "window_plan", "window_starts"]
 
-REACH_MODES = ("study", "train")
 WINDOW_MODE = "dense-window"
 _LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
 _logged: set = set()
@@ -64,12 +71,20 @@ def _log_once(msg: str, *args) -> None:
 
 # ----------------------------------------------------------------------------- validation
 def check_lengths(lengths) -> list[int]:
-    if isinstance(lengths, (int, np.integer)):
+    """The evaluation lengths as a sorted list without repeats; a ValueError naming ``lengths``
+    (``--lengths``), the value and what is allowed otherwise. Any lengths >= 1 go together."""
+    if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, bool):
         lengths = [lengths]
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
+        raise ValueError(f"lengths (--lengths) must be a list of integers >= 1, got {lengths!r}")
+    lengths = list(lengths)
     if not lengths:
-        raise ValueError("lengths must hold at least one evaluation length (integers >= 1)")
-    out = [check_int("each evaluation length", n, 1) for n in lengths]
-    return sorted(set(out))
+        raise ValueError("lengths (--lengths) must hold at least one evaluation length (integers >= 1), got []")
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"lengths (--lengths): each evaluation length must be an integer >= 1, got {n!r} "
+                             f"in {lengths!r}")
+    return sorted({int(n) for n in lengths})
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -78,21 +93,40 @@ def scored_budget(available: int, tokens: int, lengths: Sequence[int], name: str
     longest = max(lengths)
     n = (min(tokens, available - 1) // longest) * longest
     if n < longest:
-        raise ValueError(f"validation split {name!r} has {available} tokens; evaluating at length {longest} "
-                         f"needs at least {longest + 1} (and tokens >= {longest}, got {tokens})")
+        fits = max(min(tokens, available - 1), 0)
+        raise ValueError(f"validation split {name!r} has {available} tokens and the budget is tokens={tokens}; "
+                         f"evaluating at lengths (--lengths) up to {longest} needs at least {longest + 1} tokens in "
+                         f"the split and tokens >= {longest}; allowed here: lengths up to {fits}")
     return n
 
 
+def window_plan(n_scored: int, length: int) -> list[tuple[int, int]]:
+    """The windows of ``length`` that score targets ``1..n_scored`` once each: ``(start, first)``.
+
+    A window has inputs ``toks[start : start+length]`` and targets ``toks[start+1 :
+    start+length+1]``; its positions ``first..length-1`` are scored (``first`` is 0 except for
+    the tail window that ends at target ``n_scored`` when ``length`` does not divide it).
+    """
+    length = check_int("length (one of lengths)", length, 1)
+    n_scored = check_int("n_scored", n_scored, 0)
+    if length > n_scored:
+        raise ValueError(f"lengths (--lengths): length {length} is longer than the {n_scored} scored targets; "
+                         f"allowed: lengths up to {n_scored}")
+    full = n_scored // length * length
+    plan = [(s, 0) for s in range(0, full, length)]
+    if full < n_scored:
+        plan.append((n_scored - length, length - (n_scored - full)))
+    return plan
+
+
 def window_starts(n_scored: int, length: int) -> list[int]:
-    """Start offsets of the back-to-back windows of ``length`` covering ``n_scored`` targets."""
-    if n_scored % length:
-        raise ValueError(f"n_scored ({n_scored}) must be a multiple of length ({length})")
-    return list(range(0, n_scored, length))
+    """Start offsets of the windows of ``length`` covering ``n_scored`` targets (see :func:`window_plan`)."""
+    return [s for s, _ in window_plan(n_scored, length)]
 
 
 def scored_target_positions(n_scored: int, length: int) -> np.ndarray:
     """Indices into the split of every scored target, in window order (for tests and audits)."""
-    return np.concatenate([np.arange(s + 1, s + length + 1) for s in window_starts(n_scored, length)])
+    return np.concatenate([np.arange(s + first + 1, s + length + 1) for s, first in window_plan(n_scored, length)])
 
 
 def bits_per_byte(total_nll: float, n_bytes: int) -> float:
@@ -114,71 +148,18 @@ def bucket_edges(length: int, buckets: int) -> list[int]:
     return [round(i * length / nb) for i in range(nb + 1)]
 
 
-def position_buckets(pos_sum: np.ndarray, per_position_count: int, buckets: int) -> list[dict]:
-    """Mean loss of positions ``[start, end)`` for ``min(buckets, L)`` equal spans of the window."""
+def position_buckets(pos_sum: np.ndarray, per_position_count, buckets: int) -> list[dict]:
+    """Mean loss of positions ``[start, end)`` for ``min(buckets, L)`` equal spans of the window.
+
+    ``per_position_count``: scored windows per position, one number or an array ``(L,)``."""
     edges = bucket_edges(len(pos_sum), buckets)
-    return [{"start": a, "end": b, "loss": float(pos_sum[a:b].sum() / ((b - a) * per_position_count))}
+    count = np.broadcast_to(np.asarray(per_position_count, dtype=np.float64), np.shape(pos_sum))
+    return [{"start": a, "end": b, "loss": float(pos_sum[a:b].sum() / count[a:b].sum())}
             for a, b in zip(edges[:-1], edges[1:])]
 
 
 def safe_exp(x: float) -> float:
     return math.exp(x) if x < 700 else float("inf")
-
-
-# ----------------------------------------------------------------------------- model hooks
-def _layers(model) -> list:
-    return list(model.layers()) if hasattr(model, "layers") else []
-
-
-@contextlib.contextmanager
-def reach_mode(model, reach: str):
-    """Set every attention layer's ``reach`` for the duration (``study`` | ``train``), then restore."""
-    if reach not in REACH_MODES:
-        raise ValueError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
-    saved = [(layer, layer.reach) for layer in _layers(model)]
-    for layer, _ in saved:
-        if reach == "train" and layer.reach_len is None:
-            raise ValueError("reach='train' needs the layers' training length (reach_len); this model has none")
-        layer.reach = reach
-    try:
-        yield
-    finally:
-        for layer, old in saved:
-            layer.reach = old
-
-
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: int) -> torch.Tensor:
-    """Causal attention where query ``i`` sees keys ``i-band+1 .. i``; q ``(B,H,T,Dh)``, k/v ``(B,Hkv,T,Dh)``."""
-    T = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
-    if T <= band:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    out = torch.empty_like(q)
-    for s in range(0, T, band):
-        e = min(s + band, T)
-        ks = max(0, s - band + 1)
-        d = torch.arange(s, e, device=q.device)[:, None] - torch.arange(ks, e, device=q.device)[None, :]
-        mask = (d >= 0) & (d < band)
-        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e],
-                                                        attn_mask=mask, enable_gqa=gqa)
-    return out
-
-
-@contextlib.contextmanager
-def dense_window_mode(model, band: int):
-    """Make every dense layer attend distances ``0..band-1`` only (restored afterwards)."""
-    check_int("dense window", band, 1)
-    layers = _layers(model)
-    if not layers or any(layer.attention != "dense" for layer in layers):
-        raise ValueError("--dense-window needs a dense model (model.attention=dense); this one is sparse or has no "
-                         "attention layers")
-    for layer in layers:
-        layer.attend = lambda q, k, v: banded_attention(q, k, v, band)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer.attend
 
 
 def token_nll(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -247,10 +228,18 @@ class EvalReport:
         raise KeyError(f"no result for dataset {dataset!r} at length {length}")
 
     def fairness_lines(self) -> list[str]:
-        lengths = ", ".join(str(n) for n in self.settings.get("lengths", []))
-        return [f"{name}: scored the same {d['tokens']} target tokens (split positions {d['first']}..{d['last']}, "
-                f"sha256 {d['sha256'][:12]}) at every length ({lengths}); every window position is scored"
-                for name, d in self.datasets.items()]
+        all_lengths = list(self.settings.get("lengths", []))
+        lengths = ", ".join(str(n) for n in all_lengths)
+        lines = []
+        for name, d in self.datasets.items():
+            tails = [n for n in all_lengths if d["tokens"] % n]
+            how = "every window position is scored" if not tails else (
+                f"every window position is scored, except that at length {', '.join(str(n) for n in tails)} "
+                f"(not dividing {d['tokens']}) the last {d['tokens']} mod L targets are scored by one more window "
+                f"ending at target {d['last']}, its earlier positions context only")
+            lines.append(f"{name}: scored the same {d['tokens']} target tokens (split positions {d['first']}.."
+                         f"{d['last']}, sha256 {d['sha256'][:12]}) at every length ({lengths}); {how}")
+        return lines
 
     def table(self) -> str:
         rows = ["| dataset | length | mode | tokens | windows | ppl | bpb |", "|---|---|---|---|---|---|---|"]
@@ -278,20 +267,26 @@ def _check_arrays(token_arrays) -> dict:
 
 
 def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, precision: str,
-                  device: torch.device) -> np.ndarray:
-    """Summed NLL per window position ``(L,)`` over the ``n / L`` windows of ``length``."""
+                  device: torch.device) -> tuple[np.ndarray, np.ndarray, int]:
+    """Summed NLL and scored count per window position ``(L,)``, and the number of windows,
+    over the windows of :func:`window_plan`."""
     pos_sum = np.zeros(length, dtype=np.float64)
-    starts = window_starts(n, length)
-    for j in range(0, len(starts), batch_size):
-        chunk = starts[j:j + batch_size]
-        x = torch.from_numpy(np.stack([arr[s:s + length] for s in chunk]).astype(np.int64)).to(device)
-        y = torch.from_numpy(np.stack([arr[s + 1:s + length + 1] for s in chunk]).astype(np.int64)).to(device)
+    pos_count = np.zeros(length, dtype=np.int64)
+    plan = window_plan(n, length)
+    for j in range(0, len(plan), batch_size):
+        chunk = plan[j:j + batch_size]
+        x = torch.from_numpy(np.stack([arr[s:s + length] for s, _ in chunk]).astype(np.int64)).to(device)
+        y = torch.from_numpy(np.stack([arr[s + 1:s + length + 1] for s, _ in chunk]).astype(np.int64)).to(device)
         with _autocast(precision, device):
             nll = token_nll(model, x, y)
         if not torch.isfinite(nll).all():
-            raise FloatingPointError(f"non-finite loss at length {length}, windows starting {chunk[0]}..{chunk[-1]}")
-        pos_sum += nll.double().sum(0).cpu().numpy()
-    return pos_sum
+            raise FloatingPointError(f"non-finite loss at length {length}, windows starting {chunk[0][0]}.."
+                                     f"{chunk[-1][0]}")
+        nll = nll.double().cpu().numpy()
+        for row, (_, first) in enumerate(chunk):
+            pos_sum[first:] += nll[row, first:]
+            pos_count[first:] += 1
+    return pos_sum, pos_count, len(plan)
 
 
 def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach: str = "study",
@@ -312,7 +307,8 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
     train_len = getattr(cfg, "seq_len", None)
     limit = getattr(cfg, "max_seq_len", None)
     if limit is not None and max(lengths) > limit:
-        raise ValueError(f"evaluation length {max(lengths)} exceeds model.max_seq_len={limit}")
+        raise ValueError(f"lengths (--lengths): evaluation length {max(lengths)} exceeds model.max_seq_len={limit}; "
+                         f"allowed: lengths up to {limit}")
     mode = WINDOW_MODE if dense_window else reach
     if dense_window and train_len is None:
         raise ValueError("dense_window needs a model with cfg.seq_len (the training length)")
@@ -344,14 +340,16 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
     report.datasets[name] = {"tokens": n, "bytes": nbytes, "sha256": sha, "first": 1, "last": n}
     for length in lengths:
         t0 = time.perf_counter()
-        pos_sum = _score_length(model, arr, n, length, batch_size, precision, device)
+        pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device)
+        if int(pos_count.sum()) != n:                                  # each target once, at every length
+            raise RuntimeError(f"internal error: length {length} scored {int(pos_count.sum())} targets, not {n}")
         total = float(pos_sum.sum())
         mean = total / n
         rec = EvalRecord(dataset=name, length=length, reach=s["reach"], mode=s["mode"], tokens=n,
-                         windows=n // length, nll=mean, ppl=safe_exp(mean),
+                         windows=windows, nll=mean, ppl=safe_exp(mean),
                          bpb=bits_per_byte(total, nbytes) if nbytes else None, bytes=nbytes,
                          dense_window=s["dense_window"], train_len=s["train_len"], scored_sha256=sha,
-                         buckets=position_buckets(pos_sum, n // length, buckets),
+                         buckets=position_buckets(pos_sum, pos_count, buckets),
                          seconds=round(time.perf_counter() - t0, 3))
         report.records.append(rec)
         log.info("fibattn eval: %s @ %d (%s): ppl %.3f over %d tokens in %.1fs", name, length, rec.mode, rec.ppl, n,

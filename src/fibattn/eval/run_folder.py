@@ -24,7 +24,7 @@ import torch
 
 from . import perplexity as E
 from ..devices import resolve_device
-from ..files import atomic_write_text
+from ..files import atomic_write_text, check_creatable, naming_os_errors
 from ..storage.runs import EVAL_JSON, read_eval_doc
 
 log = logging.getLogger("fibattn")
@@ -75,13 +75,21 @@ def pick_datasets(names, available: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- outputs
+def read_json_target(path) -> dict | None:
+    """The eval document already at ``path`` (validated; None when absent), or a ValueError naming it."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise ValueError(f"{path} exists and is not a file; pass --json OUT to write the results elsewhere")
+    try:
+        return read_eval_doc(path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; move it away or pass --json OUT") from None
+
+
 def merge_json(path, run: str, step, report: E.EvalReport, extra: dict | None = None) -> dict:
     """Merge ``report`` into the JSON file at ``path`` (atomic); returns the merged document."""
     path = Path(path)
-    try:
-        doc = read_eval_doc(path) or {"format": 1, "run": run, "results": []}
-    except ValueError as exc:
-        raise ValueError(f"{exc}; move it away or pass --json OUT") from None
+    doc = read_json_target(path) or {"format": 1, "run": run, "results": []}
     new = {(r.dataset, r.length, r.mode): {**asdict(r), "step": step} for r in report.records}
     kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length"), r.get("mode")) not in new]
     doc["results"] = sorted(kept + list(new.values()), key=lambda r: (r["dataset"], r["mode"], r["length"]))
@@ -93,9 +101,20 @@ def merge_json(path, run: str, step, report: E.EvalReport, extra: dict | None = 
     return doc
 
 
+DB_SETTING = "--db / train.results_db"
+
+
+def check_db(db_path) -> None:
+    """Prove the results database is intact and writable before anything is evaluated."""
+    from ..storage.results import check_db_path
+    db = check_db_path(db_path, DB_SETTING)
+    if db is not None:
+        db.close()
+
+
 def log_to_db(db_path, run: str, step, report: E.EvalReport) -> None:
     from ..storage.results import ResultsDB
-    with ResultsDB(db_path) as db:
+    with ResultsDB(db_path, setting=DB_SETTING) as db:
         for r in report.records:
             extra = {k: v for k, v in asdict(r).items() if k not in ("ppl", "bpb", "tokens")}
             db.log_eval(run, r.dataset, r.length, r.mode, ppl=r.ppl, bpb=r.bpb, tokens=r.tokens,
@@ -134,8 +153,9 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     """
     from . import alpha_report as A
     from .. import plots
+    from ..storage.checkpoint import Checkpoint
     from ..storage.results import run_key
-    from ..storage.runs import load_run
+    from ..storage.runs import find_checkpoint, load_run
     folder = run_folder(run_dir)
     if lengths is not None:
         E.check_lengths(lengths)
@@ -143,14 +163,21 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
     if device is not None:
         resolve_device(device)                                   # a bad --device fails before loading
-    model, cfg, tokenizer = load_run(run_dir, step, device="cpu")
+    ckpt = find_checkpoint(run_dir, step)                        # verified once: this folder is what is evaluated
+    model, cfg, tokenizer = load_run(ckpt, device="cpu")
+    json_path = Path(json_out) if json_out else folder / EVAL_JSON
+    check_creatable(json_path, "--json" if json_out else "the run's eval.json", "file")
+    read_json_target(json_path)                                  # a damaged eval.json fails before the work
+    db_path = _db_path(db, folder, cfg)
+    if db_path is not None:
+        check_db(db_path)                                        # so does a corrupted or read-only database
     dev = resolve_device(device if device is not None else cfg.train.device)
     prec = resolve_precision(precision, dev)
     model.to(dev)
-    ck_step = _checkpoint_step(run_dir, step)
+    ck_step = Checkpoint.open(ckpt).step
     ev = cfg.eval
     td = open_data(data, cfg)
-    _check_data_matches(td, cfg, run_dir, step)
+    _check_data_matches(td, cfg, ckpt)
     names = pick_datasets(datasets if datasets is not None else ev.datasets, list(td.val_names))
     report = E.evaluate(model, {n: td.val_tokens(n) for n in names}, lengths or ev.lengths,
                         tokens=tokens if tokens is not None else ev.tokens, reach=reach or ev.reach,
@@ -165,35 +192,30 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         A.write_report(ar, folder, plot=plot)
         extra["alphas"] = ar.to_dict()
         report.settings["alpha_report"] = ar.markdown()
-    merge_json(Path(json_out) if json_out else folder / EVAL_JSON, run, ck_step, report, extra)
-    db_path = _db_path(db, folder, cfg)
+    with naming_os_errors(json_path, "--json" if json_out else "the run's eval.json"):
+        merge_json(json_path, run, ck_step, report, extra)
     if db_path is not None:
         log_to_db(db_path, run, ck_step, report)
     if plot:
         if plots.available():
             mode = report.settings["mode"]
-            plot_positions(report, folder / f"eval_positions_{mode}.png", f"{run} (step {ck_step}), {mode}")
+            png = folder / f"eval_positions_{mode}.png"
+            with naming_os_errors(png, "the run folder"):
+                plot_positions(report, png, f"{run} (step {ck_step}), {mode}")
         else:
             plots.warn_unavailable("the per-position loss plot")
     return report
 
 
-def _check_data_matches(td, cfg, run_dir, step) -> None:
+def _check_data_matches(td, cfg, ckpt: Path) -> None:
     """The validation data must use the run's tokenizer (checkpoint copy) and fit its vocabulary."""
     from ..data.tokenizers import tokenizer_sha256
-    from ..storage.runs import find_checkpoint
     vocab = getattr(td, "vocab_size", None)
     if vocab is not None and vocab > cfg.model.vocab_size:
         raise ValueError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
                          f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's tokenizer")
     want = ((getattr(td, "manifest", None) or {}).get("tokenizer") or {}).get("sha256")
-    ck_tok = find_checkpoint(run_dir, step) / "tokenizer.json"
+    ck_tok = Path(ckpt) / "tokenizer.json"
     if want and ck_tok.is_file() and tokenizer_sha256(ck_tok) != want:
         raise ValueError(f"--data {getattr(td, 'path', '')}: its tokenizer does not match the run's ({ck_tok}); "
                          f"evaluate on data prepared with the run's tokenizer")
-
-
-def _checkpoint_step(run_dir, step):
-    from ..storage.checkpoint import Checkpoint
-    from ..storage.runs import find_checkpoint
-    return Checkpoint.open(find_checkpoint(run_dir, step)).step

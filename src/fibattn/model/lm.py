@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import FibAttention
-from ..config import ModelConfig, validate_model
+from ..config import ModelConfig
+from ..validation import validate_model
 
 
 class SwiGLU(nn.Module):

@@ -3,6 +3,14 @@
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``, ``H % Hkv == 0``.
 The integer op builds the dense ``T × T`` mask; the fractional op materialises every
 interpolated key and value column (method.md §3) and attends over them.
+
+Precision: every dtype the other backends accept runs here (fp16, bf16, fp32, fp64).
+Half-precision inputs (fp16, bf16) are computed in fp32 throughout — scores, softmax,
+interpolation weights and the weighted sum — and rounded to the input dtype once, at the
+output; fp32 and fp64 inputs are computed in their own dtype. So the reference's own error
+is one final rounding, never more than a fast backend that accumulates in fp32. Distances
+``>= T`` can never be attended and are dropped before anything is allocated, so a distance
+of any size costs nothing.
 """
 from __future__ import annotations
 
@@ -10,11 +18,12 @@ import torch
 
 from ..schedules import InterpolationPlan
 
+_HALF = (torch.float16, torch.bfloat16)
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim, in fp32 for half types and in the input dtype otherwise."""
-    low = scores.dtype in (torch.float16, torch.bfloat16)
-    return torch.softmax(scores.float() if low else scores, dim=-1)
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half types; fp32 / fp64 stay as they are."""
+    return torch.float32 if dtype in _HALF else dtype
 
 
 def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -23,28 +32,34 @@ def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def sparse_attention(q, k, v, distances: list[int], scale: float) -> torch.Tensor:
     B, H, T, Dh = q.shape
+    dists = sorted({int(d) for d in distances if d < T})         # d >= T is never valid: no T-sized cost
+    out_dtype, work = q.dtype, _compute_dtype(q.dtype)
+    q, k, v = q.to(work), k.to(work), v.to(work)
     group = H // k.shape[1]
     k, v = _expand_heads(k, group), _expand_heads(v, group)
     pos = torch.arange(T, device=q.device)
     rel = pos[:, None] - pos[None, :]
-    allowed = torch.zeros(max(T, max(distances) + 1), dtype=torch.bool, device=q.device)
-    allowed[torch.tensor(distances, device=q.device)] = True
+    allowed = torch.zeros(T, dtype=torch.bool, device=q.device)
+    if dists:
+        allowed[torch.tensor(dists, dtype=torch.long, device=q.device)] = True
     mask = (rel >= 0) & allowed[rel.clamp(min=0)]
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
-    return _softmax(scores).to(q.dtype) @ v
+    return (torch.softmax(scores, dim=-1) @ v).to(out_dtype)
 
 
 def _rows(x: torch.Tensor, dist: int) -> torch.Tensor:
     """``x[..., max(i - dist, 0), :]`` for every position ``i``."""
     T = x.shape[-2]
-    idx = (torch.arange(T, device=x.device) - dist).clamp(min=0)
+    idx = (torch.arange(T, device=x.device) - min(dist, T)).clamp(min=0)
     return x.index_select(-2, idx)
 
 
 def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: InterpolationPlan,
                                   scale: float) -> torch.Tensor:
     B, H, T, Dh = q.shape
+    out_dtype, work = q.dtype, _compute_dtype(q.dtype)
+    q, k, v = q.to(work), k.to(work), v.to(work)
     group = H // k.shape[1]
     k, v = _expand_heads(k, group), _expand_heads(v, group)
     keys, values, first = [], [], []
@@ -53,7 +68,7 @@ def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: Interpolat
         values.append(_rows(v, d))
         first.append(d)
     for lo, b in plan.rungs:
-        frac = (alpha.double() * b - lo).to(q.dtype)      # in float64, as the plan chose lo (method.md §3)
+        frac = (alpha.double() * b - lo).to(work)       # in float64, as the plan chose lo (method.md §3)
         keys.append((1 - frac) * _rows(k, lo) + frac * _rows(k, lo + 1))
         values.append((1 - frac) * _rows(v, lo) + frac * _rows(v, lo + 1))
         first.append(lo)
@@ -61,7 +76,7 @@ def interpolated_sparse_attention(q, k, v, alpha: torch.Tensor, plan: Interpolat
     vc = torch.stack(values, dim=-2)
     scores = torch.einsum("bhtd,bhtcd->bhtc", q, kc) * scale
     pos = torch.arange(T, device=q.device)
-    valid = pos[:, None] >= torch.tensor(first, device=q.device)[None, :]
+    valid = pos[:, None] >= torch.tensor(first, dtype=torch.long, device=q.device)[None, :]
     scores = scores.masked_fill(~valid, float("-inf"))
-    probs = _softmax(scores).to(q.dtype)
-    return torch.einsum("bhtc,bhtcd->bhtd", probs, vc)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhtc,bhtcd->bhtd", probs, vc).to(out_dtype)

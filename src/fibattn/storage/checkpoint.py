@@ -36,7 +36,10 @@ log = logging.getLogger("fibattn")
 FORMAT = 1
 META = "meta.json"
 MODEL = "model.safetensors"
+CONFIG = "config.json"
 _NAME = re.compile(r"^step-(\d+)$")
+# model settings that may differ between a checkpoint and its run's config.json (the weights do not depend on them)
+RUNTIME_MODEL_KEYS = ("backend", "reach", "max_seq_len")
 
 
 class CheckpointError(ValueError):
@@ -140,15 +143,34 @@ def finish(root, step: int, extra_meta: dict | None = None) -> Path:
     fsync_dir(tmp)
     final = step_dir(root, step)
     if final.exists():
-        shutil.rmtree(final)
+        set_aside(final)
     tmp.rename(final)
     fsync_dir(root)
     return final
 
 
-def prune(root, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` ``step-N`` folders; returns the deleted ones."""
-    found = list_checkpoints(root)
+def set_aside(path) -> Path:
+    """Rename a ``step-N`` folder that is in the way of a new save to ``step-N.set-aside[-K]`` (never deleted,
+    never listed as a checkpoint, never pruned); returns the new path."""
+    path = Path(path)
+    aside = path.with_name(f"{path.name}.set-aside")
+    k = 1
+    while aside.exists():
+        k += 1
+        aside = path.with_name(f"{path.name}.set-aside-{k}")
+    path.rename(aside)
+    log.warning("fibattn: %s was in the way of a new checkpoint of the same step; moved to %s (not deleted)",
+                path, aside.name)
+    return aside
+
+
+def prune(root, keep: int, upto: int | None = None) -> list[Path]:
+    """Delete all but the newest ``keep`` ``step-N`` folders; returns the deleted ones.
+
+    ``upto``: the step just saved; only folders of that step or older are counted and deleted, so
+    a checkpoint newer than the one just written is never pruned (and never makes it prune the new one).
+    """
+    found = [(s, p) for s, p in list_checkpoints(root) if upto is None or s <= upto]
     gone = [path for _, path in found[:-keep]] if keep > 0 else []
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
@@ -174,8 +196,76 @@ def list_checkpoints(root) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def _is_plain_name(name) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name)
+
+
+def _meta_problem(meta) -> str | None:
+    """What is wrong with the shape of a parsed ``meta.json`` (None when it is well formed)."""
+    if not isinstance(meta, dict):
+        return f"is not a JSON object (got {type(meta).__name__})"
+    step = meta.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"field 'step' must be an integer >= 0, got {step!r}"
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return f"field 'files' must be an object of file name -> {{sha256, bytes}}, got {files!r:.60}"
+    for name, info in files.items():
+        if not _is_plain_name(name) or name == META:
+            return f"lists {name!r}, which is not a plain file name of the checkpoint folder"
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str)
+                and isinstance(info.get("bytes"), int) and not isinstance(info.get("bytes"), bool)):
+            return f"entry for {name} must be {{\"sha256\": hex, \"bytes\": int}}, got {info!r:.60}"
+    return None
+
+
+def run_folder_of(path) -> Path | None:
+    """The run folder of a ``RUN/checkpoints/step-N`` folder, or None for a checkpoint folder elsewhere."""
+    path = Path(path)
+    return path.parent.parent if path.parent.name == "checkpoints" else None
+
+
+def _model_section(doc) -> dict | None:
+    return doc.get("model") if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else None
+
+
+def check_identity(path, meta: dict) -> None:
+    """A checkpoint belongs where it lies: a ``step-N`` folder holds step N, and a checkpoint in
+    ``RUN/checkpoints/`` has the model of ``RUN/config.json`` (runtime keys aside)."""
+    path = Path(path)
+    m = _NAME.match(path.name)
+    if m and int(m.group(1)) != meta["step"]:
+        raise CheckpointError(f"checkpoint {path}: the folder is named for step {m.group(1)} but its {META} says "
+                              f"step {meta['step']} (copied or renamed from elsewhere?); move it out of the way")
+    run = run_folder_of(path)
+    if run is None or CONFIG not in meta["files"] or not (run / CONFIG).exists():
+        return
+    run_cfg = run / CONFIG
+    try:
+        theirs = _model_section(json.loads(run_cfg.read_text()))
+    except (OSError, ValueError):
+        theirs = None
+    if theirs is None:
+        raise CheckpointError(f"checkpoint {path}: cannot check it against the run's config: {run_cfg} is not a "
+                              f"readable fibattn config (no 'model' section)")
+    try:
+        mine = _model_section(json.loads((path / CONFIG).read_text()))
+    except (OSError, ValueError):
+        mine = None
+    if mine is None:
+        raise CheckpointError(f"checkpoint {path}: file {CONFIG} is not a fibattn config (no 'model' section)")
+    for k in sorted((set(mine) | set(theirs)) - set(RUNTIME_MODEL_KEYS)):
+        if mine.get(k) != theirs.get(k):
+            raise CheckpointError(f"checkpoint {path} does not belong to run {run}: its model.{k} is "
+                                  f"{mine.get(k)!r} but {run_cfg} has {theirs.get(k)!r} (copied from another run?)")
+
+
 def verify(path) -> dict:
-    """Check a checkpoint folder; returns its meta, or raises :class:`CheckpointError`."""
+    """Check a checkpoint folder; returns its meta, or raises :class:`CheckpointError`.
+
+    Checks the shape of ``meta.json``, every listed file's size and sha256, and the
+    checkpoint's identity (:func:`check_identity`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a folder")
@@ -184,16 +274,18 @@ def verify(path) -> dict:
         raise CheckpointError(f"checkpoint {path} is incomplete: {META} is missing")
     try:
         meta = json.loads(meta_path.read_text())
-        files = meta["files"]
-        int(meta["step"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({exc})") from None
+    problem = _meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: {META} {problem}")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r} is not supported (want {FORMAT})")
-    for name, info in sorted(files.items()):
+    for name, info in sorted(meta["files"].items()):
         problem = listed_file_problem(path / name, info)
         if problem:
             raise CheckpointError(f"checkpoint {path}: file {name} {problem}")
+    check_identity(path, meta)
     return meta
 
 
@@ -206,6 +298,20 @@ def latest_valid(root) -> Path | None:
         except CheckpointError as exc:
             log.warning("fibattn: skipping checkpoint: %s", exc)
     return None
+
+
+def none_verifies(root) -> str:
+    """Why no checkpoint of ``root`` verifies: how many there are and what is wrong with the newest."""
+    existing = list_checkpoints(root)
+    if not existing:
+        return f"{root} holds no checkpoint"
+    newest = existing[-1][1]
+    try:
+        verify(newest)
+        why = ""
+    except CheckpointError as exc:
+        why = f" ({exc})"
+    return f"{root} holds {len(existing)} checkpoint(s) but none verifies (newest {newest.name}{why})"
 
 
 @dataclass

@@ -5,11 +5,14 @@ model card (layout: :mod:`fibattn.storage.pretrained`). Load it back with ``fiba
 
 The folder is built in a hidden staging folder next to ``OUT`` (every file written
 atomically, ``config.json`` last) and renamed into place. A non-empty ``OUT`` is refused
-unless ``--force``; even with ``--force`` only an earlier export is replaced (a folder
-holding anything else is never deleted).
+unless ``--force``; even with ``--force`` only an earlier export is replaced: the files its
+``config.json`` lists (and the config itself) are replaced or removed, every other file or
+folder in ``OUT`` is kept, and a file of the user's that the new export would overwrite is
+refused. ``OUT`` holding anything but an earlier export is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +25,7 @@ from .. import __version__
 from . import checkpoint as ck
 from . import pretrained as hub
 from .runs import EVAL_JSON, read_eval_doc
-from ..files import atomic_write_bytes, atomic_write_text, fsync_dir
+from ..files import atomic_write_bytes, atomic_write_text, check_creatable, fsync_dir, naming_os_errors
 
 log = logging.getLogger("fibattn")
 
@@ -30,11 +33,10 @@ log = logging.getLogger("fibattn")
 # ----------------------------------------------------------------------------- gathering
 def _read_run(run_dir, step):
     """``(model, RunConfig, tokenizer file bytes or None, checkpoint Checkpoint)``; verified."""
-    from ..config import from_dict
-    from .runs import find_checkpoint, load_run
+    from .runs import checkpoint_config, find_checkpoint, load_run
     path = find_checkpoint(run_dir, step)
     c = ck.Checkpoint.open(path)
-    cfg = from_dict(json.loads(c._read("config.json")))
+    cfg = checkpoint_config(c)
     model, _, _ = load_run(path)
     tok = None
     if "tokenizer.json" in c.meta["files"]:
@@ -47,7 +49,7 @@ def _read_run(run_dir, step):
 
 
 def _data_manifest(cfg) -> dict | None:
-    from ..data.pipeline import read_manifest
+    from ..data.manifest import read_manifest
     try:
         return read_manifest(cfg.data.out_dir)
     except (OSError, ValueError):
@@ -117,7 +119,25 @@ def model_card(model, cfg, step: int, manifest, eval_doc) -> str:
 
 
 # ----------------------------------------------------------------------------- writing
-def _check_target(out: Path, force: bool) -> None:
+def _previous_listing(out: Path) -> set[str]:
+    """The files an earlier export in ``out`` consists of (its ``config.json`` listing plus the config itself);
+    a ValueError naming the folder when ``out`` does not hold a readable earlier export."""
+    try:
+        meta = hub.read_meta(out)
+    except hub.ExportError as exc:
+        raise ValueError(f"OUT {out} is not empty and is not a readable fibattn export ({exc}); refusing to "
+                         f"replace anything in it even with --force (choose an empty or new folder)") from None
+    names = set(meta["files"]) | {hub.CONFIG}
+    for name in sorted(names):
+        p = out / name
+        if p.is_symlink() or (p.exists() and not p.is_file()):
+            raise ValueError(f"OUT {out}: {name}, listed by the earlier export's {hub.CONFIG}, is not a plain file; "
+                             f"refusing to replace it (move it away or choose another folder)")
+    return names
+
+
+def _check_target(out: Path, force: bool) -> set[str]:
+    """Check ``out`` can be written; returns the earlier export's files that may be replaced (empty if none)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
@@ -126,6 +146,8 @@ def _check_target(out: Path, force: bool) -> None:
         if not hub.is_export(out):
             raise ValueError(f"OUT {out} is not empty and is not a fibattn export; refusing to replace it even "
                              f"with --force (choose an empty or new folder)")
+        return _previous_listing(out)
+    return set()
 
 
 def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: str, source: dict) -> None:
@@ -149,35 +171,56 @@ def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: s
     fsync_dir(stage)
 
 
-def _install(stage: Path, out: Path) -> None:
-    if out.is_dir():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
+def _same_bytes(a: Path, b: Path) -> bool:
+    return a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
+
+
+def _install(stage: Path, out: Path, previous: set[str]) -> None:
+    """Move the staged export into ``out``. A new folder is renamed into place; into an existing one
+    only the staged files are moved (each atomically), ``config.json`` last, then the files the earlier
+    export listed that the new one lacks are removed. Nothing else in ``out`` is touched."""
+    if not out.exists():
         os.replace(stage, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(stage, out)
-    fsync_dir(out.parent)
+        fsync_dir(out.parent)
+        return
+    new = sorted(p.name for p in stage.iterdir() if p.is_file())
+    for name in new:              # a file of the user's in the way: refuse before changing anything
+        target = out / name
+        in_way = name not in previous and (target.exists() or target.is_symlink())
+        if in_way and not (target.is_file() and not target.is_symlink() and _same_bytes(target, stage / name)):
+            raise ValueError(f"OUT {out}: {name} is not part of the earlier export (its {hub.CONFIG} does not "
+                                 f"list it) and the new export would overwrite it; move it away or choose another "
+                                 f"folder")
+    for name in new:
+        if name != hub.CONFIG:
+            os.replace(stage / name, out / name)
+    os.replace(stage / hub.CONFIG, out / hub.CONFIG)
+    for name in sorted(previous - set(new)):
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
+    fsync_dir(out)
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
     """Write the portable folder ``out_dir`` from ``run_dir`` (a run or checkpoint folder)."""
-    out = Path(out_dir)
-    _check_target(out, force)
+    out = check_creatable(out_dir, "the export folder (OUT)")
+    previous = _check_target(out, force)
     model, cfg, tok, c = _read_run(run_dir, step)
     run_root = Path(run_dir) if not (Path(run_dir) / ck.META).is_file() else c.path.parent.parent
     card = model_card(model, cfg, c.step, _data_manifest(cfg), _eval_doc(run_root))
     source = {"run": cfg.name, "step": c.step, "checkpoint_model_sha256": c.meta["files"][ck.MODEL]["sha256"]}
-    out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    if stage.exists():
-        shutil.rmtree(stage)
-    stage.mkdir()
-    try:
-        _write_folder(stage, model, cfg, c.step, tok, card, source)
-        _install(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
+    with naming_os_errors(out, "the export folder (OUT)"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if stage.exists():
+            shutil.rmtree(stage)
+        stage.mkdir()
+        try:
+            _write_folder(stage, model, cfg, c.step, tok, card, source)
+            _install(stage, out, previous)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
     hub.verify_export(out)
     return out

@@ -92,8 +92,15 @@ def read_meta(path) -> dict:
     for key in ("model", "files"):
         if not isinstance(doc.get(key), dict):
             raise ExportError(f"{folder}: {CONFIG} is corrupted (field {key!r} missing or not an object)")
+    for name in doc["files"]:
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ExportError(f"{folder}: {CONFIG} is corrupted (lists {name!r}, which is not a plain file name of "
+                              f"the folder)")
     if WEIGHTS not in doc["files"]:
         raise ExportError(f"{folder}: {CONFIG} lists no {WEIGHTS}")
+    if doc.get("tokenizer") is not None and not isinstance(doc["tokenizer"], str):
+        raise ExportError(f"{folder}: {CONFIG} is corrupted (field 'tokenizer' must be a file name or null, got "
+                          f"{doc['tokenizer']!r:.40})")
     return doc
 
 
@@ -148,7 +155,7 @@ def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) 
     ``model_overrides`` may set runtime fields that do not change the weights:
     ``reach``, ``backend``, ``max_seq_len``.
     """
-    from ..config import validate_model
+    from ..validation import validate_model
     from ..model.lm import FibLM
     folder = Path(path)
     meta = read_meta(folder)

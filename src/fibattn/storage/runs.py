@@ -18,6 +18,7 @@ import torch
 from . import checkpoint as ck
 from .. import config as C
 from ..model.lm import FibLM
+from ..validation import validate_model
 
 log = logging.getLogger("fibattn")
 
@@ -25,18 +26,73 @@ RUNTIME_KEYS = ("model.reach", "model.backend", "model.max_seq_len")
 EVAL_JSON = "eval.json"         # what ``fibattn eval`` writes into a run folder
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _entry_problem(r) -> str | None:
+    """What is wrong with one ``results`` entry of an eval document (None when it is usable)."""
+    if not isinstance(r, dict):
+        return f"is not an object (got {type(r).__name__})"
+    for key, ok, want in (("dataset", isinstance(r.get("dataset"), str), "a string"),
+                          ("length", _is_int(r.get("length")) and r.get("length", 0) >= 1, "an integer >= 1"),
+                          ("mode", isinstance(r.get("mode"), str), "a string")):
+        if not ok:
+            return f"field {key!r} must be {want}, got {r.get(key)!r:.40}" if key in r else f"has no {key!r}"
+    for key, ok, want in (("ppl", lambda v: _is_num(v), "a number"),
+                          ("bpb", lambda v: v is None or _is_num(v), "a number or null"),
+                          ("nll", lambda v: _is_num(v), "a number"),
+                          ("tokens", lambda v: _is_int(v), "an integer"),
+                          ("step", lambda v: _is_int(v), "an integer")):
+        if key in r and not ok(r[key]):
+            return f"field {key!r} must be {want}, got {r[key]!r:.40}"
+    buckets = r.get("buckets", [])
+    if not isinstance(buckets, list) or not all(
+            isinstance(b, dict) and all(_is_num(b.get(k)) for k in ("start", "end", "loss")) for b in buckets):
+        return "field 'buckets' must be a list of {start, end, loss} numbers"
+    return None
+
+
+def eval_doc_problem(doc) -> str | None:
+    """What is wrong with a parsed eval document (None when every part a reader uses is well formed)."""
+    if not (isinstance(doc, dict) and isinstance(doc.get("results"), list)):
+        return "is not an eval JSON file (want an object with a 'results' list)"
+    for i, r in enumerate(doc["results"]):
+        problem = _entry_problem(r)
+        if problem:
+            where = f"results[{i}]" + (f" ({r.get('dataset')}, {r.get('length')}, {r.get('mode')})"
+                                       if isinstance(r, dict) else "")
+            return f"entry {where} {problem}"
+    for key in ("datasets", "last_settings", "alphas"):
+        if key in doc and not isinstance(doc[key], dict):
+            return f"field {key!r} must be an object, got {type(doc[key]).__name__}"
+    alphas = doc.get("alphas", {})
+    if "end" in alphas and not (isinstance(alphas["end"], list) and all(_is_num(a) for a in alphas["end"])):
+        return "field 'alphas.end' must be a list of numbers"
+    if "largest_move_line" in alphas and not isinstance(alphas["largest_move_line"], str):
+        return "field 'alphas.largest_move_line' must be a string"
+    return None
+
+
 def read_eval_doc(path) -> dict | None:
     """The evaluation document ``fibattn eval`` writes (``RUN/eval.json``): None when the file
-    is absent, a ValueError naming it when it is not such a document."""
+    is absent, a ValueError naming it when it is not such a document or an entry is malformed
+    (every ``results`` entry is an object with ``dataset``, ``length`` and ``mode``, and the
+    numbers readers use are numbers)."""
     path = Path(path)
     if not path.is_file():
         return None
     try:
         doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        doc = None
-    if not (isinstance(doc, dict) and isinstance(doc.get("results"), list)):
-        raise ValueError(f"{path} exists but is not an eval JSON file")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} exists but is not an eval JSON file (not valid JSON: {exc})") from None
+    problem = eval_doc_problem(doc)
+    if problem:
+        raise ValueError(f"{path} exists but {problem}" if problem.startswith("is ") else f"{path}: {problem}")
     return doc
 
 
@@ -67,7 +123,7 @@ def find_checkpoint(run_dir, step="latest") -> Path:
     if step == "latest":
         found = ck.latest_valid(root)
         if found is None:
-            raise ck.CheckpointError(f"no complete, verified checkpoint in {root}")
+            raise ck.CheckpointError(f"no complete, verified checkpoint: {ck.none_verifies(root)}")
         return found
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be 'latest' or an integer >= 0, got {step!r}")
@@ -77,6 +133,17 @@ def find_checkpoint(run_dir, step="latest") -> Path:
         raise FileNotFoundError(f"no checkpoint step-{step} in {root} (have: {have})")
     ck.verify(target)
     return target
+
+
+def checkpoint_config(c: ck.Checkpoint) -> C.RunConfig:
+    """The run config stored in a verified checkpoint (a CheckpointError naming the file if it is not one)."""
+    try:
+        return C.from_dict(json.loads(c._read(ck.CONFIG)))
+    except ck.CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ck.CheckpointError(f"checkpoint {c.path}: file {ck.CONFIG} is not a valid fibattn run config "
+                                 f"({exc})") from None
 
 
 def _tokenizer(path: Path, cfg: C.RunConfig):
@@ -94,13 +161,13 @@ def load_run(run_dir, step="latest", *, device="cpu", model_overrides: list[str]
     """``(model, cfg, tokenizer)`` from the checkpoint; the model is in eval mode on ``device``."""
     path = find_checkpoint(run_dir, step)
     c = ck.Checkpoint.open(path)
-    cfg = C.from_dict(json.loads(c._read("config.json")))
+    cfg = checkpoint_config(c)
     for item in model_overrides or []:
         key = item.split("=", 1)[0].strip()
         if key not in RUNTIME_KEYS:
             raise ValueError(f"model_overrides may only set {', '.join(RUNTIME_KEYS)}, got {key!r}")
     C.apply_overrides(cfg, list(model_overrides or []))
-    C.validate_model(cfg.model)
+    validate_model(cfg.model)
     model = FibLM(cfg.model)
     model.load_state_dict(c.tensors("model"), strict=True)
     model.to(torch.device(device)).eval()

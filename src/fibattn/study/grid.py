@@ -22,6 +22,7 @@ from pathlib import Path
 from .. import config as C
 from ..config import ConfigError, RunConfig
 from ..presets import PRESETS, get_preset
+from ..validation import validate
 
 
 def demo_setting() -> list[str]:
@@ -87,7 +88,7 @@ class GridRun:
         cfg.train.out_dir = str(Path(root) / self.name)
         if cfg.train.results_db == "off":
             raise ConfigError("train.results_db=off cannot be used in a grid: the grid records its runs there")
-        return C.validate(cfg)
+        return validate(cfg)
 
 
 @dataclass

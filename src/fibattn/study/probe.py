@@ -92,7 +92,8 @@ class ProbeConfig:
         return self
 
     def model_config(self, depth: int, start: str):
-        from ..config import ModelConfig, validate_model
+        from ..config import ModelConfig
+        from ..validation import validate_model
         m, t = self.model, self.task
         cfg = ModelConfig(vocab_size=t.vocab_size, d_model=m.d_model, n_layers=depth, n_heads=m.n_heads,
                           n_kv_heads=m.n_heads, seq_len=t.seq_len, max_seq_len=t.seq_len, window=m.window,

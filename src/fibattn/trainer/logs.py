@@ -5,10 +5,17 @@ The progress line (stdout, rank 0, every ``log_every`` steps) is greppable::
     step 25/600 | loss 2.4817 | lr 3.00e-03 | grad_norm 0.412 | tok/s 10234 | eta 2m31s
 
 A one-line bar redrawn in place is added only when stdout is a terminal.
+
+``metrics.jsonl`` holds one JSON object per line with a ``step``. A resume first drops the
+records past the checkpoint's step (they are logged again), then appends a marker record
+``{"step": N, "resumed_from": N, "checkpoint": PATH}``. A torn last line (what a process
+killed while appending leaves) is dropped with a one-line warning; a damaged line before
+the last is an error naming the file and the line.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
@@ -17,7 +24,9 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..files import atomic_write_text
-from ..storage.results import ResultsDB
+from ..storage.results import ResultsDB, ResultsDBError
+
+log = logging.getLogger("fibattn")
 
 
 def fmt_duration(seconds: float) -> str:
@@ -73,14 +82,57 @@ def wandb_run_id(run: str) -> str:
     return re.sub(r"[/\\#?%:]", "-", run)
 
 
+def _record(line: str):
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("step", 0), int) or isinstance(rec.get("step"), bool):
+        return None
+    return rec
+
+
+def metrics_to_keep(path, after_step: int) -> tuple[list[str], str | None]:
+    """The lines of ``metrics.jsonl`` at ``path`` to keep when (re)starting at ``after_step``, and the
+    torn last line that must be dropped (None when there is none). A malformed line before the last
+    raises a ValueError naming the file and the line."""
+    path = Path(path)
+    if not path.exists():
+        return [], None
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file (the run's metrics log)")
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    keep, torn = [], None
+    for i, (n, line) in enumerate(numbered):
+        rec = _record(line)
+        if rec is None:
+            if i == len(numbered) - 1:
+                torn = line
+                break
+            raise ValueError(f"{path}: line {n} is not a metrics record (a JSON object with an integer 'step'); "
+                             f"repair the line or move the file away, then resume")
+        if rec.get("step", 0) <= after_step:
+            keep.append(line.strip())
+    return keep, torn
+
+
 class MetricSinks:
-    """Rank 0's metric outputs: ``metrics.jsonl``, the results DB and optional trackers."""
+    """Rank 0's metric outputs: ``metrics.jsonl``, the results DB and optional trackers.
+
+    ``db``: an open :class:`ResultsDB` (checked by the caller) instead of ``db_path``. A
+    database write that fails during training does not stop the JSONL log: the error is kept in
+    :attr:`db_error` (the trainer then stops with a checkpoint) and the database is not used again.
+    """
 
     def __init__(self, out_dir: Path, run: str, db_path: Path | None, *, tensorboard: bool = False,
-                 wandb: bool = False, wandb_project: str = "fibattn", config: dict | None = None):
+                 wandb: bool = False, wandb_project: str = "fibattn", config: dict | None = None,
+                 db: ResultsDB | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.run = run
-        self.db = ResultsDB(db_path) if db_path is not None else None
+        self.db = db if db is not None else (ResultsDB(db_path) if db_path is not None else None)
+        self.db_error: str | None = None
         self.tb = self.wb = None
         if tensorboard:
             try:
@@ -99,13 +151,29 @@ class MetricSinks:
                                      resume="allow", id=wandb_run_id(run))
 
     def truncate(self, after_step: int) -> None:
-        """Drop records past ``after_step`` (a resumed run logs them again)."""
+        """Drop records past ``after_step`` (a resumed run logs them again) and a torn last line."""
         if self.path.exists():
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= after_step]
+            keep, torn = metrics_to_keep(self.path, after_step)
+            if torn is not None:
+                log.warning("fibattn: %s: dropped its last line, torn by an interrupted write (%d characters: %r)",
+                            self.path, len(torn), torn[:40])
             atomic_write_text(self.path, "".join(line + "\n" for line in keep))
         if self.db is not None:
             self.db.truncate(self.run, after_step)
+
+    def mark_resume(self, step: int, checkpoint, changed: list[str] | None = None,
+                    window: dict | None = None) -> None:
+        """Append the marker record of a resume at ``step`` (metrics.jsonl only). ``changed``: settings that
+        differ from the checkpoint's; ``window``: the checkpoint's partial loss window when the trainer restarts
+        it (its mean and step count are kept here, so no step's loss goes unlogged)."""
+        record = {"step": step, "time": round(time.time(), 3), "resumed_from": step, "checkpoint": str(checkpoint)}
+        if changed:
+            record["changed"] = list(changed)
+        if window and window.get("steps"):
+            record["window_loss"] = window["loss"] / window["n"] if window.get("n") else float("nan")
+            record["window_steps"] = int(window["steps"])
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def log(self, step: int, values: dict, alphas: list[float] | None = None) -> None:
         record = {"step": step, "time": round(time.time(), 3), **values}
@@ -113,10 +181,14 @@ class MetricSinks:
             record["alphas"] = alphas
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
-        if self.db is not None:
-            self.db.log_metrics(self.run, step, values)
-            if alphas is not None:
-                self.db.log_alphas(self.run, step, alphas)
+        if self.db is not None and self.db_error is None:
+            try:
+                self.db.log_metrics(self.run, step, values)
+                if alphas is not None:
+                    self.db.log_alphas(self.run, step, alphas)
+            except ResultsDBError as exc:
+                self.db_error = str(exc)
+                log.error("fibattn: %s", exc)
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(k, v, step)
@@ -128,8 +200,13 @@ class MetricSinks:
 
     def close(self, status: str) -> None:
         if self.db is not None:
-            self.db.finish_run(self.run, status)
-            self.db.close()
+            try:
+                if self.db_error is None:
+                    self.db.finish_run(self.run, status)
+            except ResultsDBError as exc:
+                log.error("fibattn: could not record status %s: %s", status, exc)
+            finally:
+                self.db.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:

@@ -14,25 +14,11 @@ import numpy as np
 import torch
 
 from .. import config as C
+from .. import validation as V
 from ..config import ConfigError, RunConfig
 from . import distributed as D
 
 log = logging.getLogger("fibattn")
-
-
-def check_out_dir(path) -> Path:
-    """Check that ``path`` can be created/written, without creating anything (ConfigError naming it)."""
-    p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"train.out_dir {p} exists and is not a folder")
-    parent = p
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ConfigError(f"train.out_dir {p} is not writable: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"train.out_dir {p} is not writable: no write permission on {parent}")
-    return p
 
 
 def prepare_out_dir(path) -> Path:
@@ -47,6 +33,31 @@ def prepare_out_dir(path) -> Path:
     except OSError as exc:
         raise ConfigError(f"train.out_dir {p} is not writable: {exc.strerror or exc}") from None
     return p
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return V.host_memory_bytes()
+
+
+def check_fits(cfg: RunConfig, device: torch.device) -> None:
+    """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate.
+
+    A lower bound: fp32 weights, gradients and both AdamW moments (16 bytes per parameter), plus
+    eight saved ``d_model`` activations per token and layer and the logits with their gradient
+    for one micro-batch; the real peak is higher."""
+    m, t = cfg.model, cfg.train
+    n = V.estimate_params(m)
+    act_bytes = 2 if t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda") else 4
+    tokens = t.micro_batch * m.seq_len
+    need = 16 * n + tokens * act_bytes * 8 * m.d_model * m.n_layers + tokens * 4 * 2 * m.vocab_size
+    mem = device_memory_bytes(device)
+    if mem is not None and need > mem:
+        raise ConfigError(f"training this model needs at least {need / 1e9:.3g} GB ({n:.3g} parameters at 16 bytes "
+                          f"each for weights, gradients and AdamW state, plus activations of train.micro_batch="
+                          f"{t.micro_batch} x model.seq_len={m.seq_len} tokens); {device} has {mem / 1e9:.3g} GB: "
+                          f"lower model.d_model / model.n_layers / model.vocab_size or train.micro_batch")
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:

@@ -26,7 +26,7 @@ from .distributed import DistInfo, barrier, broadcast_int
 
 log = logging.getLogger("fibattn")
 
-RUNTIME_MODEL_KEYS = ("backend", "reach", "max_seq_len")   # may change on resume: the weights do not depend on them
+RUNTIME_MODEL_KEYS = ck.RUNTIME_MODEL_KEYS   # may change on resume: the weights do not depend on them
 
 
 def rng_state(device: torch.device) -> dict:
@@ -51,20 +51,26 @@ def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trai
         ck.begin(root, step)
     barrier(dist)
     tmp = root / f"step-{step}.tmp"
-    ck.write_state(tmp, f"rng-rank{dist.rank}", rng_state(dist.device))
-    ck.write_state(tmp, f"loader-rank{dist.rank}", loader.state_dict())
-    if dist.is_main:
-        ck.write_tensors(tmp, "model", model.state_dict())
-        ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
-        ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
-        atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+    try:
+        ck.write_state(tmp, f"rng-rank{dist.rank}", rng_state(dist.device))
+        ck.write_state(tmp, f"loader-rank{dist.rank}", loader.state_dict())
+        if dist.is_main:
+            ck.write_tensors(tmp, "model", model.state_dict())
+            ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
+            ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
+            atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+            if tokenizer_file is not None:
+                shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+    except OSError as exc:                   # disk full, permissions: one line naming the folder and the setting
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = ck.latest_valid(root)
+        raise OSError(exc.errno, f"cannot write checkpoint {tmp} (train.out_dir): {exc.strerror or exc}; newest "
+                                 f"complete checkpoint: {newest or 'none'} (continue with --resume auto)") from None
     barrier(dist)
     final = ck.step_dir(root, step)
     if dist.is_main:
         final = ck.finish(root, step)
-        ck.prune(root, keep)
+        ck.prune(root, keep, upto=step)
     barrier(dist)
     return final
 
@@ -72,13 +78,22 @@ def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trai
 def find_resume(out_dir, resume: str, dist: DistInfo) -> Path | None:
     """The checkpoint to resume from: ``never`` | ``auto`` | a checkpoint folder path.
 
-    Rank 0 decides (verifying hashes) and broadcasts the step, so every rank agrees.
+    Rank 0 decides (verifying hashes and identity) and broadcasts the step, so every rank agrees.
+
+    - ``auto``: the newest checkpoint that verifies; newer ones that fail are skipped with a warning
+      (and set aside, never deleted, if training reaches their step). When checkpoints exist but
+      none verifies, this is an error rather than a silent start from step 0.
+    - a path: refused when ``OUT/checkpoints`` holds a checkpoint newer than it (training would
+      overwrite or be overtaken by it), or holds checkpoints of its own while the path lies
+      elsewhere (two runs would mix); branch into a new ``--out`` instead.
     """
     root = ck.ckpt_root(out_dir)
     if resume not in ("auto", "never"):
         path = Path(resume)
         if dist.is_main:
-            ck.verify(path)
+            meta = ck.verify(path)
+            check_no_newer(root, path, int(meta["step"]))
+            ck.clean_tmp(root)
         barrier(dist)
         return path
     step = -1
@@ -90,10 +105,62 @@ def find_resume(out_dir, resume: str, dist: DistInfo) -> Path | None:
                 f"continue that run, or choose a fresh train.out_dir / --out")
         if resume == "auto":
             ck.clean_tmp(root)                   # half-written step-N.tmp folders of an interrupted save
+            existing = ck.list_checkpoints(root)
             found = ck.latest_valid(root)
+            if found is None and existing:
+                raise ck.CheckpointError(
+                    f"{ck.none_verifies(root)}; "
+                    f"starting over would abandon them: repair or move them away, or train into a new --out")
             step = -1 if found is None else ck.Checkpoint.open(found).step
     step = broadcast_int(dist, step)
     return None if step < 0 else ck.step_dir(root, step)
+
+
+def check_no_newer(root: Path, path: Path, step: int) -> None:
+    """Refuse to resume ``path`` (step ``step``) into the run whose checkpoints are in ``root`` when that
+    would overwrite, prune or be overtaken by checkpoints already there."""
+    existing = ck.list_checkpoints(root)
+    newer = [p.name for s, p in existing if s > step]
+    out = root.parent
+    branch = f"{out.name}-from-{step}"
+    if newer:
+        shown = ", ".join(newer[:6]) + (f", ... ({len(newer)} in all)" if len(newer) > 6 else "")
+        raise ck.CheckpointError(
+            f"cannot resume from {path} (step {step}) into {out}: {root} holds newer checkpoints ({shown}) that this "
+            f"run would overwrite and that --resume auto would later pick instead; to branch from step {step}, "
+            f"train into a new folder (--out {out.parent / branch} --resume {path}); to continue the newest, use "
+            f"--resume auto")
+    inside = path.resolve().parent == root.resolve() if root.is_dir() else False
+    if existing and not inside:
+        raise ck.CheckpointError(
+            f"cannot resume from {path} into {out}: {root} already holds checkpoints of another run (newest "
+            f"{existing[-1][1].name}); train the branch into a new folder (--out {out.parent / branch})")
+
+
+def saved_config(path: Path) -> dict:
+    """The run config in checkpoint ``path`` as a dict (a CheckpointError naming the file if it is not one)."""
+    f = Path(path) / ck.CONFIG
+    try:
+        saved = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        raise ck.CheckpointError(f"checkpoint {path}: file {ck.CONFIG} is unreadable ({exc})") from None
+    if not (isinstance(saved, dict) and all(isinstance(saved.get(k), dict) for k in ("model", "data", "train"))):
+        raise ck.CheckpointError(f"checkpoint {path}: file {ck.CONFIG} is not a fibattn run config")
+    return saved
+
+
+def new_window() -> dict:
+    """The trainer's loss/time window since the last progress line (saved in every checkpoint)."""
+    return {"loss": 0.0, "n": 0, "time": 0.0, "steps": 0}
+
+
+def saved_window(w) -> dict | None:
+    """A loss window read from a checkpoint's trainer state, or None (older checkpoints have none)."""
+    if not isinstance(w, dict) or set(w) != set(new_window()):
+        return None
+    if not all(isinstance(w[k], (int, float)) and not isinstance(w[k], bool) for k in w):
+        return None
+    return {"loss": float(w["loss"]), "n": int(w["n"]), "time": float(w["time"]), "steps": int(w["steps"])}
 
 
 def check_compatible(saved: dict, cfg: RunConfig, path: Path) -> list[str]:
@@ -117,6 +184,14 @@ def restore(path: Path, *, model, optimizer, names: list[str], loader, dist: Dis
     """Load every part of a verified checkpoint; returns the trainer state dict."""
     c = ck.Checkpoint.open(path)
     trainer = c.state("trainer")
+    saved_step = trainer.get("step") if isinstance(trainer, dict) else None
+    if saved_step != c.step:
+        raise ck.CheckpointError(f"checkpoint {path}: trainer.json's step {saved_step!r} does not match "
+                                 f"{ck.META}'s step {c.step}")
+    for key in ("tokens", "skipped", "bad", "elapsed", "world_size"):
+        value = trainer.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ck.CheckpointError(f"checkpoint {path}: trainer.json field {key!r} must be a number, got {value!r}")
     same = trainer["world_size"] == dist.world_size
     if not same and dist.is_main:
         log.warning("fibattn: checkpoint %s was written by %d processes, resuming with %d: the data position "

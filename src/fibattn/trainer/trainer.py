@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import math
 import signal
@@ -35,14 +34,16 @@ import torch
 
 from .. import config as C
 from ..config import ConfigError, RunConfig
+from ..files import check_creatable
+from ..validation import validate
 from ..model.lm import FibLM
-from ..storage.results import resolve_db_path, run_key
+from ..storage.results import check_db_path, resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
 from .logs import MetricSinks, ProgressBar, progress_line
 from .optim import build_optimizer, lr_at, param_names, set_lr
-from .setup import (accum_steps, autocast_for, check_out_dir, load_data, prepare_out_dir, seed_all, set_threads,
-                    tokenizer_file, warn_disk_space)
+from .setup import (accum_steps, autocast_for, check_fits, load_data, prepare_out_dir, seed_all,
+                    set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -64,9 +65,6 @@ class TrainResult:
     elapsed_s: float = 0.0
 
 
-
-
-
 # ------------------------------------------------------------------------------ trainer
 class Trainer:
     def __init__(self, cfg: RunConfig, dist: D.DistInfo, data, loss_hook):
@@ -74,8 +72,13 @@ class Trainer:
         t = cfg.train
         self.out = Path(t.out_dir)
         self.accum = accum_steps(cfg, dist.world_size)
-        if dist.is_main:
-            check_out_dir(self.out)                  # created in run(), once every input has been checked
+        check_fits(cfg, dist.device)
+        if dist.is_main:                             # outputs are created in run(), once every input is checked
+            check_creatable(self.out, "train.out_dir")
+            db_path = resolve_db_path(self.out, t.results_db)
+            db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
+            if db is not None:
+                db.close()
         set_threads(t, dist)
         seed_all(t.seed)
         self.data = data if data is not None else load_data(cfg, dist)
@@ -97,10 +100,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume / wrap
     def resume(self, resume: str) -> None:
+        self.window = S.new_window()
+        self.resume_changed: list[str] = []
+        self.resume_window: dict | None = None       # the checkpoint's partial loss window, when not continued
         path = S.find_resume(self.out, resume, self.dist)
         if path is None:
             return
-        saved = json.loads((path / "config.json").read_text())
+        saved = S.saved_config(path)
         changed = S.check_compatible(saved, self.cfg, path)
         if changed and self.dist.is_main:
             log.warning("fibattn: resuming with changed settings: %s", ", ".join(changed))
@@ -109,6 +115,14 @@ class Trainer:
                        dist=self.dist)
         self.step, self.tokens = int(tr["step"]), int(tr["tokens"])
         self.skipped, self.bad, self.elapsed = int(tr["skipped"]), int(tr["bad"]), float(tr["elapsed"])
+        # the loss window of the steps since the last progress line: continued when nothing changed (the log
+        # then equals an uninterrupted run's), restarted when settings changed (the marker record keeps its mean)
+        saved_window = S.saved_window(tr.get("window"))
+        self.resume_changed = changed
+        if saved_window is not None and not changed:
+            self.window = saved_window
+        elif saved_window is not None and saved_window["steps"]:
+            self.resume_window = saved_window
         if self.dist.is_main:
             log.info("fibattn: resumed from %s (step %d)", path, self.step)
 
@@ -182,7 +196,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        state = {"tokens": self.tokens, "skipped": self.skipped, "bad": self.bad, "elapsed": self.elapsed}
+        state = {"tokens": self.tokens, "skipped": self.skipped, "bad": self.bad, "elapsed": self.elapsed,
+                 "window": dict(getattr(self, "window", None) or S.new_window())}
         return S.save(self.out, self.step, model=self.model, optimizer=self.opt, names=self.names,
                       loader=self.loader, trainer=state, cfg=self.cfg, dist=self.dist, keep=self.cfg.train.keep_ckpts,
                       tokenizer_file=self.tokenizer_file)
@@ -191,23 +206,41 @@ class Trainer:
     def run(self, resume: str, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
         self.resume(resume)
+        db = db_path = None
         if dist.is_main:
             warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
-            prepare_out_dir(self.out)
+            from .logs import metrics_to_keep
+            metrics_to_keep(self.out / "metrics.jsonl", self.step)        # a damaged log fails before anything runs
+            db_path = resolve_db_path(self.out, t.results_db)
+            db = check_db_path(db_path) if db_path is not None else None   # so does a corrupted/read-only DB
+            try:
+                prepare_out_dir(self.out)
+            except BaseException:
+                if db is not None:
+                    db.close()
+                raise
         D.barrier(dist)
         self.wrap()
         sinks = None
         if dist.is_main:
-            C.save(self.cfg, self.out / "config.json")
-            sinks = MetricSinks(self.out, run_key(self.out), resolve_db_path(self.out, t.results_db),
-                                tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
-                                config=C.to_dict(self.cfg))
-            if sinks.db is not None:
-                sinks.db.start_run(run_key(self.out), config=C.to_dict(self.cfg), out_dir=str(self.out.resolve()),
-                                   label=self.cfg.name, fresh=self.step == 0)
-            sinks.truncate(self.step)
+            try:
+                C.save(self.cfg, self.out / "config.json")
+                sinks = MetricSinks(self.out, run_key(self.out), db_path if db is None else None, db=db,
+                                    tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
+                                    config=C.to_dict(self.cfg))
+            except BaseException:
+                if db is not None:
+                    db.close()
+                raise
         status = "failed"
         try:
+            if sinks is not None:
+                if sinks.db is not None:
+                    sinks.db.start_run(run_key(self.out), config=C.to_dict(self.cfg),
+                                       out_dir=str(self.out.resolve()), label=self.cfg.name, fresh=self.step == 0)
+                sinks.truncate(self.step)
+                if self.resumed_from is not None:
+                    sinks.mark_resume(self.step, self.resumed_from, self.resume_changed, self.resume_window)
             result = self._loop(sinks, stop_at)
             status = result.status
             return result
@@ -233,7 +266,7 @@ class Trainer:
         result = TrainResult(self.out, "finished", self.step, self.tokens, skipped_steps=self.skipped)
         bar = ProgressBar(total, silent=not dist.is_main)
         learned = self.cfg.model.attention == "sparse" and self.cfg.model.schedule == "learned"
-        win_loss, win_n, win_time, win_steps = 0.0, 0, 0.0, 0
+        win = self.window                    # loss/time window since the last progress line (saved in checkpoints)
         last_saved = self.resumed_from
         while self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_agreed:
             t0 = time.perf_counter()
@@ -243,13 +276,13 @@ class Trainer:
             self.step += 1
             self.tokens += tokens_per_step
             self.elapsed += dt
-            win_time += dt
-            win_steps += 1
+            win["time"] += dt
+            win["steps"] += 1
             result.losses.append((self.step, loss))
             if ok:
                 self.bad = 0
-                win_loss += loss
-                win_n += 1
+                win["loss"] += loss
+                win["n"] += 1
             else:
                 self.bad += 1
                 self.skipped += 1
@@ -263,21 +296,23 @@ class Trainer:
                         f"{self.bad} consecutive non-finite steps (last at step {self.step}: loss={loss}, "
                         f"grad_norm={gnorm}); aborting. Last good checkpoint: {newest or 'none'}. Lower train.lr, "
                         f"check the data, or raise train.max_bad_steps")
-            eta = (total - self.step) * (win_time / max(win_steps, 1))
+            eta = (total - self.step) * (win["time"] / max(win["steps"], 1))
             bar.update(self.step, loss, eta)
             if self.step % t.log_every == 0 or self.step == total:
-                mean = win_loss / win_n if win_n else float("nan")
-                tok_s = win_steps * tokens_per_step / max(win_time, 1e-9)
+                mean = win["loss"] / win["n"] if win["n"] else float("nan")
+                tok_s = win["steps"] * tokens_per_step / max(win["time"], 1e-9)
                 bar.println(progress_line(self.step, total, mean, lr, gnorm, tok_s, eta))
                 if sinks is not None:
                     sinks.log(self.step, {"loss": mean, "lr": lr, "grad_norm": gnorm, "tok_s": tok_s,
                                           "tokens": float(self.tokens)},
                               alphas=self.model.alphas() if learned else None)
-                win_loss, win_n, win_time, win_steps = 0.0, 0, 0.0, 0
+                win.update(S.new_window())
             if t.eval_every and self.step % t.eval_every == 0 and self.step != total:
                 self._log_eval(sinks, result, bar)
             if self.step % t.ckpt_every == 0 and self.step != total:
                 last_saved = self.save()
+            if sinks is not None and sinks.db_error is not None:
+                self.stop_requested = True   # stop at the next step boundary, with a checkpoint (all ranks agree)
         if self.step >= total:
             self._log_eval(sinks, result, bar)
         else:
@@ -286,6 +321,11 @@ class Trainer:
         if last_saved is None or S.ck.step_dir(S.ck.ckpt_root(self.out), self.step) != last_saved:
             last_saved = self.save()
         bar.clear()
+        if sinks is not None and sinks.db_error is not None:
+            from ..storage.results import ResultsDBError
+            raise ResultsDBError(f"{sinks.db_error}. Training {result.status} at step {self.step} with checkpoint "
+                                 f"{last_saved} (metrics.jsonl has every record); fix the database, then continue "
+                                 f"with --resume auto")
         result.step, result.tokens, result.skipped_steps = self.step, self.tokens, self.skipped
         result.checkpoint, result.elapsed_s = last_saved, self.elapsed
         return result
@@ -309,7 +349,9 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
         raise ValueError(f"resume must be 'auto', 'never' or a checkpoint folder, got {resume!r}")
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise ValueError(f"stop_at must be an integer >= 1, got {stop_at!r}")
-    cfg = C.validate(copy.deepcopy(cfg))
+    cfg = validate(copy.deepcopy(cfg))
+    if str(resume) not in ("auto", "never"):
+        S.ck.verify(Path(resume))            # a bad --resume fails before the data is prepared
     dist = D.init(cfg.train)
     trainer = None
     old = None

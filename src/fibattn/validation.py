@@ -1,0 +1,212 @@
+"""Config validation, decided once: every field's type and range, checked whatever set it
+(presets, ``--set``, ``--config`` files, JSON lists, Python), and model sizes that cannot fit
+this machine. Each error is a :class:`~fibattn.config.ConfigError` naming the field, the value
+and what is allowed."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import os
+import typing
+
+from .config import (BACKENDS, ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
+                     show_value)
+
+# ----------------------------------------------------------------------------- validation
+def _need(ok: bool, msg: str):
+    if not ok:
+        raise ConfigError(msg)
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
+               list: "a list"}
+_ELEMENTS = {"base_values": int, "alphas": float, "lengths": int, "datasets": str}   # list fields' items
+
+
+def _is(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def _check_types(obj, section: str) -> None:
+    """Every field of ``obj`` has its declared type (a JSON file or a Python caller can put anything there)."""
+    for name, kind in typing.get_type_hints(type(obj)).items():
+        value, key = getattr(obj, name), f"{section}.{name}" if section else name
+        if dataclasses.is_dataclass(kind):
+            _need(isinstance(value, kind), f"{key} must be a mapping of its fields, got {show_value(value)}")
+            continue
+        _need(_is(value, kind), f"{key} must be {_TYPE_WORDS.get(kind, kind.__name__)}, "
+                                f"got {show_value(value)} ({type(value).__name__})")
+        item = _ELEMENTS.get(name)
+        if item is not None:
+            for i, v in enumerate(value):
+                _need(_is(v, item), f"{key}[{i}] must be {_TYPE_WORDS[item]}, got {show_value(v)}")
+
+
+def _int_at_least(obj, section: str, name: str, minimum: int, maximum: int | None = None):
+    v = getattr(obj, name)
+    ok = isinstance(v, int) and not isinstance(v, bool) and v >= minimum and (maximum is None or v <= maximum)
+    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    _need(ok, f"{section}.{name} must be an integer {allowed}, got {show_value(v)}")
+
+
+def _num_in(obj, section: str, name: str, lo: float, hi: float, *, lo_open=False):
+    v = getattr(obj, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
+    rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+    _need(ok, f"{section}.{name} must be a number in {rng}, got {show_value(v)}")
+
+
+def _choice(obj, section: str, name: str, allowed):
+    v = getattr(obj, name)
+    _need(v in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {show_value(v)}")
+
+
+# ----------------------------------------------------------------------------- memory
+MAX_BASE_K = 90                    # fib_base(90)[-1] ~ 4.7e18: larger rungs overflow 64-bit distances
+
+
+def estimate_params(m: ModelConfig) -> int:
+    """Parameters of a FibLM with config ``m`` (tied embeddings; the learned alphas included)."""
+    hd = m.d_model // m.n_heads
+    attn = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * m.d_model
+    block = attn + 3 * m.d_model * m.ffn_hidden + 2 * m.d_model
+    learned = m.n_layers if m.attention == "sparse" and m.schedule == "learned" else 0
+    return m.vocab_size * m.d_model + m.n_layers * block + m.d_model + learned
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+def check_weights_fit(m: ModelConfig) -> None:
+    """Refuse a model whose fp32 weights alone exceed this machine's memory (they are built on the host)."""
+    n, mem = estimate_params(m), host_memory_bytes()
+    if mem is not None and 4 * n > mem:
+        raise ConfigError(f"model (d_model={m.d_model}, n_layers={m.n_layers}, vocab_size={m.vocab_size}) has an "
+                          f"estimated {n:.3g} parameters, {_gb(4 * n)} of fp32 weights; this machine has "
+                          f"{_gb(mem)} of memory: lower model.d_model, model.n_layers or model.vocab_size")
+
+
+def validate_model(m: ModelConfig) -> None:
+    s = "model"
+    _check_types(m, s)
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len", "max_seq_len"):
+        _int_at_least(m, s, name, 1)
+    _int_at_least(m, s, "vocab_size", 1, 1 << 32)             # shards hold uint32 ids at most
+    _int_at_least(m, s, "base_k", 1, MAX_BASE_K)
+    _int_at_least(m, s, "window", 0, m.max_seq_len)
+    _need(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _need(m.head_dim % 2 == 0, f"model.d_model / model.n_heads must be even for RoPE, got {m.head_dim}")
+    _need(m.n_heads % m.n_kv_heads == 0,
+          f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})")
+    _need(m.seq_len <= m.max_seq_len, f"model.seq_len must be <= model.max_seq_len ({m.max_seq_len}), got {m.seq_len}")
+    _num_in(m, s, "rope_theta", 0, 1e12, lo_open=True)
+    _num_in(m, s, "norm_eps", 0, 1, lo_open=True)
+    _num_in(m, s, "init_std", 0, 10, lo_open=True)
+    _choice(m, s, "attention", ("dense", "sparse"))
+    _choice(m, s, "base", ("fib", "pow2", "custom"))
+    _choice(m, s, "schedule", ("fixed", "linear", "coprime", "learned", "custom"))
+    _choice(m, s, "learned_init", ("fixed", "linear", "coprime"))
+    _choice(m, s, "reach", ("study", "train"))
+    _choice(m, s, "backend", ("auto",) + BACKENDS)
+    _num_in(m, s, "a_min", 0, 1e6, lo_open=True)
+    _num_in(m, s, "a_max", 0, 1e6, lo_open=True)
+    _need(m.a_min <= m.a_max, f"model.a_min must be <= model.a_max, got {m.a_min} > {m.a_max}")
+    _num_in(m, s, "alpha", m.a_min, m.a_max)
+    if m.base == "custom":
+        _need(bool(m.base_values) and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                           for b in m.base_values),
+              f"model.base_values must be a non-empty list of positive integers when model.base=custom, "
+              f"got {m.base_values!r}")
+    if m.schedule == "custom":
+        _need(len(m.alphas) == m.n_layers, f"model.alphas must hold model.n_layers={m.n_layers} values, "
+              f"got {len(m.alphas)}")
+        for a in m.alphas:
+            _need(isinstance(a, (int, float)) and m.a_min <= a <= m.a_max,
+                  f"model.alphas values must lie in [a_min, a_max] = [{m.a_min}, {m.a_max}], got {a!r}")
+    if m.schedule == "learned":
+        _need(m.a_min < m.a_max, f"model.a_min must be < model.a_max for a learned schedule, got {m.a_min}")
+    check_weights_fit(m)
+
+
+def validate_data(d: DataConfig) -> None:
+    _check_types(d, "data")
+    _need(d.out_dir.strip() != "", "data.out_dir must name a folder, got ''")
+    _choice(d, "data", "tokenizer", ("byte", "bpe"))
+    _int_at_least(d, "data", "vocab_size", 256 if d.tokenizer == "bpe" else 1, 1 << 32)
+    _num_in(d, "data", "val_fraction", 0, 0.5, lo_open=True)
+    _int_at_least(d, "data", "val_tokens_max", 1)
+    _int_at_least(d, "data", "shard_tokens", 1024)
+    _need(bool(d.sources), "data.sources must list at least one source")
+    names = set()
+    for i, src in enumerate(d.sources):
+        s = f"data.sources[{i}]"
+        _need(isinstance(src, SourceConfig), f"{s} must be a source mapping, got {show_value(src)}")
+        _check_types(src, s)
+        _choice(src, s, "kind", ("bundled", "files", "hf"))
+        _need(isinstance(src.name, str) and src.name.replace("-", "").replace("_", "").isalnum(),
+              f"{s}.name must be a non-empty name of letters, digits, - and _, got {src.name!r}")
+        _need(src.name not in names, f"{s}.name {src.name!r} is used twice; source names must be unique")
+        names.add(src.name)
+        _num_in(src, s, "weight", 0, 1e9, lo_open=True)
+        _int_at_least(src, s, "max_docs", 0)
+        if src.kind != "bundled":
+            _need(bool(src.path), f"{s}.path is required for kind={src.kind}")
+
+
+def validate_train(t: TrainConfig) -> None:
+    s = "train"
+    _check_types(t, s)
+    _need(t.out_dir.strip() != "", "train.out_dir must name a folder, got ''")
+    for name in ("steps", "batch_tokens", "micro_batch", "log_every", "ckpt_every", "keep_ckpts",
+                 "max_bad_steps", "eval_tokens"):
+        _int_at_least(t, s, name, 1)
+    for name in ("warmup_steps", "eval_every", "threads", "seed"):
+        _int_at_least(t, s, name, 0)
+    _num_in(t, s, "lr", 0, 10, lo_open=True)
+    _num_in(t, s, "min_lr_ratio", 0, 1)
+    _num_in(t, s, "weight_decay", 0, 10)
+    _num_in(t, s, "beta1", 0, 1)
+    _num_in(t, s, "beta2", 0, 1)
+    _num_in(t, s, "grad_clip", 0, 1e9)
+    _choice(t, s, "precision", ("auto", "fp32", "bf16"))
+    _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
+          f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
+
+
+def validate_eval(e: EvalConfig) -> None:
+    _check_types(e, "eval")
+    _need(bool(e.lengths) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in e.lengths),
+          f"eval.lengths must be a non-empty list of positive integers, got {e.lengths!r}")
+    _int_at_least(e, "eval", "tokens", 1)
+    _int_at_least(e, "eval", "batch_size", 1)
+    _choice(e, "eval", "reach", ("study", "train"))
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    _check_types(cfg, "")
+    _need(cfg.name.strip() != "", "name must be a non-empty string, got ''")
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_train(cfg.train)
+    validate_eval(cfg.eval)
+    tokens_per_micro = cfg.train.micro_batch * cfg.model.seq_len
+    _need(cfg.train.batch_tokens % tokens_per_micro == 0,
+          f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of "
+          f"train.micro_batch * model.seq_len ({tokens_per_micro})")
+    return cfg
