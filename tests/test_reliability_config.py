@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fibattn import config as C
+from fibattn import devices
 from fibattn import validation as V
 from fibattn.cli import main
 from fibattn.config import ConfigError, ModelConfig
@@ -158,7 +159,7 @@ def test_sizes_that_cannot_exist_are_refused_before_allocating(cwd, capsys, item
 
 
 def test_model_weights_larger_than_memory_name_the_estimate(monkeypatch):
-    monkeypatch.setattr(V, "host_memory_bytes", lambda: 1_000_000)      # 1 MB machine
+    monkeypatch.setattr(devices, "host_memory_bytes", lambda: 1_000_000)      # 1 MB machine
     m = ModelConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=256)
     with pytest.raises(ConfigError, match=r"estimated 7\.56e\+05 parameters.*this machine has 0\.001 GB"):
         FibLM(m)
@@ -167,7 +168,7 @@ def test_model_weights_larger_than_memory_name_the_estimate(monkeypatch):
 def test_training_state_larger_than_the_device_is_refused_first(cwd, capsys, monkeypatch):
     # 16 bytes per parameter + activations: fits the weights check, not the training check
     n = V.estimate_params(tiny().model)
-    monkeypatch.setattr(V, "host_memory_bytes", lambda: 8 * n)
+    monkeypatch.setattr(devices, "host_memory_bytes", lambda: 8 * n)
     line = refused(capsys, ["train", *QUICK, "--set", f"data.out_dir={cwd / 'data'}"],
                    "needs at least", "train.micro_batch", "cpu has")
     assert "GB" in line
@@ -269,3 +270,14 @@ def test_no_verified_checkpoint_says_why(cwd, capsys, tiny_data):
     train(micro_config(run, tiny_data, steps=1, batch_tokens=64, micro_batch=2, results_db="off", eval_tokens=64))
     (run / "config.json").write_text("garbage\n")
     refused(capsys, ["eval", run, "--lengths", "32", "--db", "off"], "none verifies", "config.json")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["bench", "attention", "--lengths", "1000000000"], ["--lengths", "T=1000000000", "GB"]),
+    (["bench", "attention", "--lengths", "64", "--forward-lengths", "100000000000"], ["--forward-lengths", "GB"]),
+    (["bench", "train", "--lengths", "100000000", "--steps", "5"], ["--tokens / --lengths", "GB"]),
+    (["bench", "train", "--lengths", "64", "--tokens", "10000000000", "--steps", "5"], ["--tokens / --lengths"]),
+])
+def test_bench_sizes_that_cannot_fit_are_refused_before_allocating(cwd, capsys, argv, needles):
+    refused(capsys, argv, *needles)
+    assert tree(cwd) == []

@@ -2,11 +2,28 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 log = logging.getLogger("fibattn")
 _logged: set = set()
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def device_memory_bytes(device) -> int | None:
+    """Memory of ``device``: a CUDA device's total, or the host's for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return host_memory_bytes()
 
 
 def resolve_device(name, *, flag: str = "--device") -> torch.device:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import os
 import typing
 
+from . import devices
 from .config import (BACKENDS, ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
                      show_value)
 
@@ -81,21 +81,28 @@ def estimate_params(m: ModelConfig) -> int:
     return m.vocab_size * m.d_model + m.n_layers * block + m.d_model + learned
 
 
-def host_memory_bytes() -> int | None:
-    """Physical memory of this machine (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.3g} GB"
 
 
+def check_training_fits(m: ModelConfig, micro_batch: int, bf16: bool, device, *,
+                        flags: str = "train.micro_batch / model.seq_len") -> None:
+    """Refuse training that certainly exceeds ``device``'s memory, naming the estimate. A lower bound:
+    fp32 weights, gradients and both AdamW moments (16 bytes per parameter), eight saved ``d_model``
+    activations per token and layer, and one micro-batch's logits with their gradient."""
+    n, tokens = estimate_params(m), micro_batch * m.seq_len
+    need = 16 * n + tokens * (2 if bf16 else 4) * 8 * m.d_model * m.n_layers + tokens * 4 * 2 * m.vocab_size
+    mem = devices.device_memory_bytes(device)
+    if mem is not None and need > mem:
+        raise ConfigError(f"training this model needs at least {_gb(need)} ({n:.3g} parameters at 16 bytes each for "
+                          f"weights, gradients and AdamW state, plus activations of {micro_batch} x {m.seq_len} "
+                          f"tokens per micro-batch); {device} has {_gb(mem)}: lower {flags}, model.d_model, "
+                          f"model.n_layers or model.vocab_size")
+
+
 def check_weights_fit(m: ModelConfig) -> None:
     """Refuse a model whose fp32 weights alone exceed this machine's memory (they are built on the host)."""
-    n, mem = estimate_params(m), host_memory_bytes()
+    n, mem = estimate_params(m), devices.host_memory_bytes()
     if mem is not None and 4 * n > mem:
         raise ConfigError(f"model (d_model={m.d_model}, n_layers={m.n_layers}, vocab_size={m.vocab_size}) has an "
                           f"estimated {n:.3g} parameters, {_gb(4 * n)} of fp32 weights; this machine has "

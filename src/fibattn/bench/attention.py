@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..devices import device_memory_bytes
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, PATHS, BenchConfig, _inputs, backend_name,
                               make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
 
@@ -252,6 +253,19 @@ def _lengths(text: str, flag: str) -> list[int]:
     return lengths
 
 
+def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> None:
+    """Refuse lengths whose inputs, outputs and gradients alone exceed the device's memory (a lower bound)."""
+    mem = device_memory_bytes(device)
+    item = _DTYPES[dtype].itemsize
+    for T, copies in [(T, 4) for T in lengths] + [(T, 2) for T in forward]:   # fwd+bwd: x and dx; forward: x
+        need = copies * batch * T * (heads + kv) * head_dim * item
+        if mem is not None and need > mem:
+            flag = "--lengths" if copies == 4 else "--forward-lengths"
+            raise ValueError(f"{flag}: T={T} needs at least {need / 1e9:.3g} GB for q, k, v and the output"
+                             f"{' with their gradients' if copies == 4 else ''} (--batch {batch}, --heads {heads}, "
+                             f"--kv-heads {kv}, --head-dim {head_dim}, {dtype}); {device} has {mem / 1e9:.3g} GB")
+
+
 def config_from_args(args) -> BenchConfig:
     if not args.device.startswith(("cpu", "cuda")):
         raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
@@ -286,6 +300,7 @@ def config_from_args(args) -> BenchConfig:
     if cuda and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, args.device)
     return BenchConfig(lengths=lengths, repeats=args.repeats, heads=args.heads, kv_heads=kv,
                        head_dim=args.head_dim, device=args.device, mask_budget_gb=args.mask_budget_gb,
                        memory=not args.no_memory, memory_check=args.memory_check, batch=batch, dtype=dtype,

@@ -31,6 +31,7 @@ from ..checks import parse_int_list
 from ..config import ConfigError
 from ..model.lm import FibLM
 from ..presets import get_preset
+from ..validation import check_training_fits
 
 GOALS = {"cpu": {1024: 1.2, 4096: 2.0}, "cuda": {1024: 1.0, 4096: 1.5}}
 MIN_STEPS = 5
@@ -125,6 +126,9 @@ def bench(lengths, steps: int, tokens: int, preset: str = "tiny", window: int = 
     check_steps(steps)
     dev = torch.device(device)
     goals = GOALS["cuda" if dev.type == "cuda" else "cpu"]
+    for T in lengths:                        # every length is checked before the first is timed
+        check_training_fits(variant(preset, "dense", T, window, backend), max(1, tokens // T), dev.type == "cuda",
+                            dev, flags="--tokens / --lengths")
     rows = []
     for T in lengths:
         batch = max(1, tokens // T)

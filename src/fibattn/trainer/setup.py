@@ -35,29 +35,11 @@ def prepare_out_dir(path) -> Path:
     return p
 
 
-def device_memory_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return V.host_memory_bytes()
-
-
 def check_fits(cfg: RunConfig, device: torch.device) -> None:
-    """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate.
-
-    A lower bound: fp32 weights, gradients and both AdamW moments (16 bytes per parameter), plus
-    eight saved ``d_model`` activations per token and layer and the logits with their gradient
-    for one micro-batch; the real peak is higher."""
-    m, t = cfg.model, cfg.train
-    n = V.estimate_params(m)
-    act_bytes = 2 if t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda") else 4
-    tokens = t.micro_batch * m.seq_len
-    need = 16 * n + tokens * act_bytes * 8 * m.d_model * m.n_layers + tokens * 4 * 2 * m.vocab_size
-    mem = device_memory_bytes(device)
-    if mem is not None and need > mem:
-        raise ConfigError(f"training this model needs at least {need / 1e9:.3g} GB ({n:.3g} parameters at 16 bytes "
-                          f"each for weights, gradients and AdamW state, plus activations of train.micro_batch="
-                          f"{t.micro_batch} x model.seq_len={m.seq_len} tokens); {device} has {mem / 1e9:.3g} GB: "
-                          f"lower model.d_model / model.n_layers / model.vocab_size or train.micro_batch")
+    """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate."""
+    t = cfg.train
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
+    V.check_training_fits(cfg.model, t.micro_batch, bf16, device)
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
