@@ -44,6 +44,8 @@ def test_fresh_forgets_only_the_selected_runs(tmp_path):
             db.start_run(name, config={})
             db.log_eval(name, "shakespeare", 128, "study", ppl=3.0)
     (root / "report").mkdir()
+    for name in ("report.md", "ppl_vs_length.png"):
+        (root / "report" / name).write_text("x")
     assert D.forget_runs(grid, root) == ["dense", "fib_stagger"]
     assert not (root / "dense").exists() and (root / "fib_fixed").exists() and not (root / "report").exists()
     db = sqlite3.connect(root / "results.sqlite")
@@ -53,6 +55,23 @@ def test_fresh_forgets_only_the_selected_runs(tmp_path):
     (root / "dense" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="does not look like a run folder"):
         D.forget_runs(grid, root)
+
+
+def test_fresh_keeps_files_fibattn_did_not_write(tmp_path):
+    root = tmp_path / "demo"
+    grid = G.build_grid("demo", only="dense")
+    run = root / "dense"
+    (run / "checkpoints" / "step-3").mkdir(parents=True)
+    (run / "tensorboard").mkdir()
+    for name in ("config.json", "metrics.jsonl", "eval.json", "eval_positions_study.png", "notes.txt"):
+        (run / name).write_text("x")
+    (run / "mine").mkdir()
+    (root / "report").mkdir()
+    for name in ("report.md", "report.html", "distances.png", "draft.md"):
+        (root / "report" / name).write_text("x")
+    assert D.forget_runs(grid, root) == ["dense"]
+    assert sorted(p.name for p in run.iterdir()) == ["mine", "notes.txt"]
+    assert sorted(p.name for p in (root / "report").iterdir()) == ["draft.md"]
 
 
 MICRO = ["model.seq_len=32", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",

@@ -281,3 +281,24 @@ def test_no_verified_checkpoint_says_why(cwd, capsys, tiny_data):
 def test_bench_sizes_that_cannot_fit_are_refused_before_allocating(cwd, capsys, argv, needles):
     refused(capsys, argv, *needles)
     assert tree(cwd) == []
+
+
+@pytest.mark.parametrize("name,content", [("config.json", '{"mine": 1}\n'), ("metrics.jsonl", "my notes\n"),
+                                          ("metrics.jsonl", '{"epoch": 1, "loss": 2.0}\n')])
+def test_a_fresh_run_never_overwrites_a_users_file(cwd, capsys, tiny_data, name, content):
+    (cwd / "proj").mkdir()
+    (cwd / "proj" / name).write_text(content)
+    refused(capsys, ["train", *QUICK, "--out", "proj", "--set", f"data.out_dir={tiny_data}"], "train.out_dir",
+            name, "not fibattn's")
+    assert tree(cwd) == ["proj", f"proj/{name}"] and (cwd / "proj" / name).read_text() == content
+
+
+def test_report_and_probe_never_overwrite_a_users_file(cwd, capsys):
+    (cwd / "runs" / "report").mkdir(parents=True)
+    (cwd / "runs" / "report" / "report.md").write_text("# my report\n")
+    (cwd / "p").mkdir()
+    (cwd / "p" / "probe.md").write_text("my probe notes\n")
+    before = tree(cwd)
+    refused(capsys, ["report", "demo", "--root", "runs"], "--out", "report.md", "did not write")
+    refused(capsys, ["probe", "--out", "p"], "--out", "probe.md", "did not write")
+    assert tree(cwd) == before and (cwd / "p" / "probe.md").read_text() == "my probe notes\n"

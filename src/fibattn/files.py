@@ -77,6 +77,23 @@ def naming_os_errors(path, setting: str):
         raise OSError(exc.errno, f"cannot write {exc.filename or path} ({setting}): {exc.strerror or exc}") from None
 
 
+def check_overwritable(folder, files: dict, setting: str) -> None:
+    """``files`` maps a name fibattn writes into ``folder`` to text its own copy starts with (within its first
+    1 KB); an existing file of that name without it is a user's, and is refused rather than overwritten."""
+    for name, mark in files.items():
+        path = Path(folder) / name
+        if not path.exists():
+            continue
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(1024).decode("utf-8", "replace")
+        except OSError:
+            head = ""
+        if not path.is_file() or mark not in head:
+            raise PathError(f"{setting} {folder} holds {name}, which fibattn did not write (it would be "
+                            f"overwritten); choose another {setting} or move the file away")
+
+
 def os_error_line(exc: OSError, setting: str | None = None) -> str:
     """One line for an operating-system error: the path(s), the reason and, when known, the setting."""
     where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)

@@ -9,7 +9,7 @@ import torch
 
 from ..checks import parse_int_list
 from ..devices import resolve_device
-from ..files import check_creatable
+from ..files import check_creatable, check_overwritable
 from ..study.probe import ProbeConfig, preset, run_probe
 
 
@@ -60,7 +60,8 @@ def config_from_args(args) -> ProbeConfig:
 
 def run(args) -> int:
     cfg = config_from_args(args)
-    check_creatable(args.out, "--out")
+    mine = {"probe.json": '"config"', "probe.md": "# Retrieval probe"}     # how fibattn's own copies begin
+    check_overwritable(check_creatable(args.out, "--out"), mine, "--out")
     if args.threads < 0:
         raise ValueError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
     if args.threads:

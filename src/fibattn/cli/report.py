@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..files import check_creatable
+from ..files import check_creatable, check_overwritable
 from ..study.grid import GRIDS, build_grid
 from ..study.report import build_report
 
@@ -25,7 +25,8 @@ def run(args) -> int:
     root = Path(args.root or f"runs/{args.grid}")
     if not root.is_dir():
         raise FileNotFoundError(f"--root {root} does not exist; run `fibattn grid {args.grid} --root {root}` first")
-    check_creatable(args.out or root / "report", "--out")
+    out = check_creatable(args.out or root / "report", "--out")
+    check_overwritable(out, {"report.md": "# fibattn report", "report.html": "fibattn report"}, "--out")
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
     files = build_report(grid, root, args.out, datasets=datasets, plot=not args.no_plot)
     for t in files.tables:

@@ -189,8 +189,8 @@ def _install(stage: Path, out: Path, previous: set[str]) -> None:
         in_way = name not in previous and (target.exists() or target.is_symlink())
         if in_way and not (target.is_file() and not target.is_symlink() and _same_bytes(target, stage / name)):
             raise ValueError(f"OUT {out}: {name} is not part of the earlier export (its {hub.CONFIG} does not "
-                                 f"list it) and the new export would overwrite it; move it away or choose another "
-                                 f"folder")
+                             f"list it) and the new export would overwrite it; move it away or choose another "
+                             f"folder")
     for name in new:
         if name != hub.CONFIG:
             os.replace(stage / name, out / name)

@@ -12,12 +12,16 @@ within ± 5 %. Re-running skips finished runs and resumes interrupted ones.
 """
 from __future__ import annotations
 
+import fnmatch
+import logging
 import shutil
 from pathlib import Path
 
 from . import report as Rp
 from ..storage import results
 from .report import Check
+
+log = logging.getLogger("fibattn")
 
 NOTE = """What this demo can show and what it cannot:
 - It can show the length-extrapolation headline at small scale (when the check above passes):
@@ -51,8 +55,34 @@ def headline_lines(checks: list[Check], dataset: str, factor: int, train_len: in
 
 
 # ------------------------------------------------------------------------------ --fresh
+# what fibattn writes into a run folder and a report folder; --fresh removes these and nothing else
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "eval.json", "grid.log", "alphas.md", "alphas.png", "tensorboard",
+               "checkpoints", "eval_positions_*.png", ".*.tmp", ".write-test-*")
+REPORT_ENTRIES = ("report.md", "report.html", "ppl_vs_length.png", "per_position_loss.png", "alphas.png",
+                  "distances.png", ".*.tmp")
+
+
+def _remove_ours(folder: Path, patterns) -> list[str]:
+    """Remove the entries of ``folder`` that match ``patterns`` (and the folder, once empty);
+    returns the names of what was kept because fibattn did not write it."""
+    kept = []
+    for entry in sorted(folder.iterdir()):
+        if not any(fnmatch.fnmatchcase(entry.name, pat) for pat in patterns):
+            kept.append(entry.name)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    if kept:
+        log.warning("--fresh: kept %s in %s (not written by fibattn)", ", ".join(kept), folder)
+    else:
+        folder.rmdir()
+    return kept
+
+
 def forget_runs(grid, root: Path) -> list[str]:
-    """Delete the grid's run folders, their database rows and the report under ``root`` (data is kept)."""
+    """Delete the grid's runs (what fibattn wrote in their folders), their database rows and the
+    report under ``root``; data, and any file fibattn did not write, are kept."""
     removed = []
     for run in grid.runs:
         folder = root / run.name
@@ -62,9 +92,11 @@ def forget_runs(grid, root: Path) -> list[str]:
             if not made_by_us:
                 raise ValueError(f"--fresh: {folder} does not look like a run folder (no config.json or "
                                  f"checkpoints/); remove it yourself or choose another --root")
-            shutil.rmtree(folder)
             removed.append(run.name)
+    # the database first: a bad one fails before anything is deleted
     results.forget_runs(root / "results.sqlite", [run.name for run in grid.runs])
+    for name in removed:
+        _remove_ours(root / name, RUN_ENTRIES)
     if (root / "report").is_dir():
-        shutil.rmtree(root / "report")
+        _remove_ours(root / "report", REPORT_ENTRIES)
     return removed

@@ -3,6 +3,7 @@ threads and seeds — each checked with an error that names the setting."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -19,6 +20,38 @@ from ..config import ConfigError, RunConfig
 from . import distributed as D
 
 log = logging.getLogger("fibattn")
+
+
+def _is_run_config(path: Path) -> bool:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and all(isinstance(doc.get(k), dict) for k in ("model", "data", "train"))
+
+
+def _is_metrics_log(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                head = '{"step": '
+                if line.strip() and not (line.startswith(head) or head.startswith(line)):   # (or a torn prefix)
+                    return False
+                if i >= 100:                        # a sample is enough to tell fibattn's log from a user's file
+                    break
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def check_not_foreign(out: Path) -> None:
+    """A run starting from step 0 writes ``config.json`` and ``metrics.jsonl`` into ``out``: refuse when
+    either exists and is not fibattn's (a user's file of that name would be overwritten)."""
+    for name, ours in (("config.json", _is_run_config), ("metrics.jsonl", _is_metrics_log)):
+        path = out / name
+        if path.exists() and not ours(path):
+            raise ConfigError(f"train.out_dir {out} holds {name}, which is not fibattn's (training would overwrite "
+                              f"it); choose another --out or move the file away")
 
 
 def prepare_out_dir(path) -> Path:

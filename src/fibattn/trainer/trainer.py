@@ -42,7 +42,7 @@ from . import distributed as D
 from . import state as S
 from .logs import MetricSinks, ProgressBar, progress_line
 from .optim import build_optimizer, lr_at, param_names, set_lr
-from .setup import (accum_steps, autocast_for, check_fits, load_data, prepare_out_dir, seed_all,
+from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, load_data, prepare_out_dir, seed_all,
                     set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
@@ -75,6 +75,8 @@ class Trainer:
         check_fits(cfg, dist.device)
         if dist.is_main:                             # outputs are created in run(), once every input is checked
             check_creatable(self.out, "train.out_dir")
+            if not S.ck.list_checkpoints(S.ck.ckpt_root(self.out)):
+                check_not_foreign(self.out)     # a fresh run must not overwrite a user's file
             db_path = resolve_db_path(self.out, t.results_db)
             db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
             if db is not None:
