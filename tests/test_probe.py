@@ -90,7 +90,7 @@ def test_cli_config_and_bad_input():
     for argv, msg in [(["--starts", "random"], "starts must be among uniform, staggered"),
                       (["--depths", "0"], "--depths must be a comma-separated list of integers >= 1"),
                       (["--distances", "100"], "needs seq_len >= 102"), (["--steps", "0"], "steps must be"),
-                      (["--preset", "huge"], "--preset must be cpu or study")]:
+                      (["--preset", "huge"], r"--preset must be tiny \(= cpu\) or paper \(= study\)")]:
         with pytest.raises(ValueError, match=msg):
             CP.config_from_args(_args(argv))
 

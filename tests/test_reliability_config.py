@@ -115,7 +115,8 @@ def test_config_file_missing_or_a_folder(cwd, capsys):
 @pytest.mark.parametrize("item,field", [
     ("model.d_model=12.5", "model.d_model"), ("train.compile=maybe", "train.compile"),
     ("train.lr=fast", "train.lr"), ("eval.lengths=[1,", "eval.lengths"), ("model.alpha=nan", "model.alpha"),
-    ("train.lr=inf", "train.lr"), ("data.sources=[5]", "data.sources[0]"),
+    ("train.lr=inf", "train.lr"), ("data.sources=[5]", "data.sources"), ("data.sources=mytext", "data.sources=[{"),
+    ("data.path=mytext", "data.sources=[{"), ("data.sources.path=x", "data.sources=[{"),
     ("data.sources=[{\"kind\": \"files\", \"path\": 1}]", "data.sources[0].path"),
     ("eval.lengths=[256, \"x\"]", "eval.lengths[1]"), ("model.base_values=[1, true]", "model.base_values[1]"),
 ])
@@ -302,3 +303,27 @@ def test_report_and_probe_never_overwrite_a_users_file(cwd, capsys):
     refused(capsys, ["report", "demo", "--root", "runs"], "--out", "report.md", "did not write")
     refused(capsys, ["probe", "--out", "p"], "--out", "probe.md", "did not write")
     assert tree(cwd) == before and (cwd / "p" / "probe.md").read_text() == "my probe notes\n"
+
+
+def test_prepare_takes_data_settings_only(cwd, capsys):
+    refused(capsys, ["prepare", "--set", "train.steps=3"], "train.steps", "data.*")
+    assert tree(cwd) == []
+
+
+def test_every_option_has_help_and_version_prints(capsys):
+    import argparse
+    from fibattn.cli import build_parser
+
+    def missing(p, path):
+        out = []
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    out += missing(sp, f"{path} {name}")
+            elif not a.help:
+                out.append(f"{path} {'/'.join(a.option_strings) or a.dest}")
+        return out
+
+    assert missing(build_parser(), "fibattn") == []
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("fibattn ")

@@ -148,13 +148,26 @@ def test_config_errors(tmp_path, data_dir):
     with pytest.raises(ConfigError, match="train.out_dir .* not a folder"):
         train(micro_cfg(blocker, data_dir))
     with pytest.raises(ConfigError, match="world_size"):
-        accum_steps(micro_cfg(tmp_path, data_dir, batch_tokens=192, micro_batch=2), 2)
+        accum_steps(micro_cfg(tmp_path, data_dir, batch_tokens=96, micro_batch=1), 2)
     cfg = micro_cfg(tmp_path / "v", data_dir)
     cfg.model.vocab_size = 100
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train(cfg)
     with pytest.raises(ValueError, match="stop_at"):
         train(cfg, stop_at=0)
+
+
+@pytest.mark.parametrize("preset,world,micro,accum", [("paper", 8, 4, 1), ("paper", 2, 8, 2), ("paper", 1, 8, 4),
+                                                      ("tiny", 2, 8, 1), ("tiny", 3, None, None)])
+def test_micro_batch_follows_the_world_size_and_keeps_the_global_batch(preset, world, micro, accum):
+    from fibattn.presets import get_preset
+    cfg = get_preset(preset)
+    if micro is None:                        # 4096 tokens of 256 cannot split over 3 processes
+        with pytest.raises(ConfigError, match="world_size"):
+            accum_steps(cfg, world)
+        return
+    assert accum_steps(cfg, world) == accum and cfg.train.micro_batch == micro
+    assert accum * micro * cfg.model.seq_len * world == cfg.train.batch_tokens
 
 
 def test_lr_schedule_and_decay_groups():

@@ -193,6 +193,9 @@ def load(path) -> RunConfig:
 
 
 # ----------------------------------------------------------------------------- overrides
+SOURCES_EXAMPLE = ("""--set 'data.sources=[{"name":"mine","kind":"files","path":"mytext/"}]' """
+                   """--set data.out_dir=data/mine (a .txt/.jsonl/.parquet file or folder)""")
+
 _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
 
 
@@ -233,7 +236,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
             names = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
             if part not in names:
                 where = ".".join(parts[:i]) or "config"
-                raise ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(sorted(names))})")
+                if not dataclasses.is_dataclass(target):
+                    raise ConfigError(f"{where} is a value, not a section: set it whole, e.g. "
+                                      f"{SOURCES_EXAMPLE if where == 'data.sources' else where + '=...'}")
+                hint = f"; your own text: {SOURCES_EXAMPLE}" if where.startswith("data") else ""
+                raise ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(sorted(names))}){hint}")
             if i == len(parts) - 1:
                 current = getattr(target, part)
                 if dataclasses.is_dataclass(current):
@@ -241,6 +248,9 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 kind = typing.get_type_hints(type(target)).get(part, type(current))
                 value = _parse_value(text, kind, key)
                 if part == "sources":
+                    if not all(isinstance(v, dict) for v in value):
+                        raise ConfigError(f"{key} must be a JSON list of source mappings, got {text!r}; e.g. "
+                                          f"{SOURCES_EXAMPLE}")
                     value = [_build(SourceConfig, v, f"{key}[{j}]") for j, v in enumerate(value)]
                 setattr(target, part, value)
             else:

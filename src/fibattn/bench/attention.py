@@ -227,10 +227,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-check", type=int, default=None, metavar="T",
                    help="run integer forward+backward at this length and report its peak extra memory")
     p.add_argument("--no-memory", action="store_true", help="skip the per-path memory subprocesses")
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--head-dim", type=int, default=64, help="head size Dh (default 64)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu | cuda[:N] (default: cuda when available)")
     p.add_argument("--batch", type=int, default=None, help="batch size B (default 1 on CPU, 4 on CUDA)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                    help="input dtype (default float32 on CPU, bfloat16 on CUDA)")

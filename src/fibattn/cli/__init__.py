@@ -11,6 +11,9 @@ import errno
 import logging
 import sys
 
+import torch
+
+from .. import __version__
 from ..files import os_error_line
 from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, train
 
@@ -38,6 +41,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fibattn", description="Depth-staggered Fibonacci sparse attention.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", help="print the fibattn and torch versions and exit",
+                        version=f"fibattn {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():

@@ -18,11 +18,13 @@ log = logging.getLogger("fibattn")
 def configure_parser(parser) -> None:
     parser.add_argument("run_dir", metavar="RUN", help="a training run folder (checkpoints + config)")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                        help="tokens to generate after the prompt (default 200)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed, for repeatable output (default: a fresh one each call)")
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")

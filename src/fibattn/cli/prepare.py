@@ -63,6 +63,10 @@ def run(args) -> int:
         print(f"verified {rep['folder']}: {rep['files']} shard files, {rep['tokens']} tokens, all checksums "
               f"match ({time.perf_counter() - t0:.1f}s)")
         return 0
+    foreign = [o.split("=", 1)[0].strip() for o in args.overrides if not o.strip().startswith("data.")]
+    if foreign:
+        raise ConfigError(f"--set {foreign[0]}: prepare takes data.* settings only (its other settings belong to "
+                          f"`fibattn train`)")
     cfg = apply_overrides(get_preset(args.preset or "tiny"), args.overrides)
     if args.out is not None:
         cfg.data.out_dir = str(check_creatable(args.out, "--out"))

@@ -1,6 +1,6 @@
 """``fibattn probe``: the mechanistic retrieval probe (method.md §5).
 
-    fibattn probe [--preset cpu|study] [--depths 2,4,8] [--starts uniform,staggered]
+    fibattn probe [--preset tiny|paper] [--depths 2,4,8] [--starts uniform,staggered]
                   [--distances 20,32] [--marked] [--steps N] [--seed S] [--out DIR]
 
 For every depth and start it trains a small :class:`fibattn.model.lm.FibLM` with a learned
@@ -109,7 +109,12 @@ class ProbeConfig:
         return d
 
 
+PRESET_ALIASES = {"tiny": "cpu", "paper": "study"}     # the names every other command uses
+
+
 def preset(name: str) -> ProbeConfig:
+    """``cpu`` (alias ``tiny``): minutes on a laptop CPU; ``study`` (alias ``paper``): the study's setting."""
+    name = PRESET_ALIASES.get(name, name)
     if name == "cpu":
         return ProbeConfig()
     if name == "study":
@@ -117,7 +122,7 @@ def preset(name: str) -> ProbeConfig:
                          n_distractors=24)
         return ProbeConfig(task=task, model=ProbeModel(d_model=128, n_heads=4, window=8), steps=3000,
                            batch_size=64, lr=1e-3, warmup=200, eval_samples=512)
-    raise ValueError(f"--preset must be cpu or study, got {name!r}")
+    raise ValueError(f"--preset must be tiny (= cpu) or paper (= study), got {name!r}")
 
 
 # ----------------------------------------------------------------------------- training

@@ -99,12 +99,23 @@ def autocast_for(precision: str, device: torch.device):
 
 
 def accum_steps(cfg: RunConfig, world: int) -> int:
-    per = cfg.train.micro_batch * cfg.model.seq_len * world
-    if cfg.train.batch_tokens % per:
-        raise ConfigError(f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of train.micro_batch * "
-                          f"model.seq_len * world_size ({cfg.train.micro_batch} * {cfg.model.seq_len} * {world} "
-                          f"= {per})")
-    return cfg.train.batch_tokens // per
+    """Gradient-accumulation steps that keep ``train.batch_tokens`` global for ``world`` processes.
+
+    Each process takes ``batch_tokens / (seq_len * world)`` sequences per step. When
+    ``train.micro_batch`` does not divide that (more processes than the preset was written for),
+    it is lowered to the largest divisor that does, logged once: the global batch, and so the
+    optimisation, stay those of the config."""
+    t, T = cfg.train, cfg.model.seq_len
+    if t.batch_tokens % (T * world):
+        raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of model.seq_len * world_size "
+                          f"({T} * {world} = {T * world}) so that every process trains whole sequences")
+    per_rank = t.batch_tokens // (T * world)
+    micro = max(d for d in range(1, min(t.micro_batch, per_rank) + 1) if per_rank % d == 0)
+    if micro != t.micro_batch:
+        log.info("fibattn: train.micro_batch %d -> %d: train.batch_tokens %d over %d process(es) is %d sequences "
+                 "each", t.micro_batch, micro, t.batch_tokens, world, per_rank)
+        t.micro_batch = micro
+    return per_rank // micro
 
 
 def load_data(cfg: RunConfig, dist: D.DistInfo):
