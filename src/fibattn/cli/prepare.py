@@ -1,14 +1,16 @@
 """``fibattn prepare``: tokenise a preset's data sources into a prepared folder.
 
     fibattn prepare [--preset tiny|paper] [--set data.field=value ...] [--out DIR] [--force]
+    fibattn prepare --files PATH [PATH ...] [--tokenizer byte|bpe] [--out DIR]     # your own text
     fibattn prepare --verify DIR
 
 ``--verify DIR`` re-hashes an existing folder and builds nothing, so it takes none of
 ``--preset``, ``--set``, ``--out`` or ``--force`` (given together they are an error, never
 silently ignored).
 
-Sources other than the preset's are given as JSON, e.g.
-``--set 'data.sources=[{"name":"mine","kind":"files","path":"corpus/"}]'``.
+Your own text: ``--files`` (one source per file or folder, stored as absolute paths) or, for
+every source option, JSON: ``--set 'data.sources=[{"name":"mine","kind":"files","path":"corpus/"}]'``.
+Own sources without ``--out`` go to ``data/NAME``, never into the preset's folder.
 The Python API is :func:`fibattn.data.prepare` / :func:`fibattn.data.ensure_prepared`.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from ..config import ConfigError, apply_overrides
 from ..data.manifest import read_manifest
 from ..data.pipeline import prepare, verify_prepared
+from ..data.sources import files_sources
 from ..files import check_creatable
 from ..presets import PRESETS, get_preset
 
@@ -26,7 +29,14 @@ def configure_parser(p) -> None:
     p.add_argument("--preset", default=None, help=f"config preset ({' | '.join(PRESETS)}; default tiny)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.FIELD=VALUE",
                    help="override a config field (repeatable), e.g. --set data.val_fraction=0.05")
-    p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: the preset's data.out_dir)")
+    p.add_argument("--files", nargs="+", default=None, metavar="PATH",
+                   help="your own text: .txt/.jsonl/.parquet files or folders, one source each (replaces the "
+                        "preset's sources; then train with --data DIR)")
+    p.add_argument("--tokenizer", default=None, choices=("byte", "bpe"), help="data.tokenizer (default: the preset's)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="data.vocab_size of a bpe tokenizer (default: the preset's)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder (default: the preset's data.out_dir; with --files, data/NAME)")
     p.add_argument("--force", action="store_true",
                    help="rebuild the folder even if it exists (a prepared folder only, whatever its config)")
     p.add_argument("--verify", default=None, metavar="DIR",
@@ -46,7 +56,8 @@ def _summary(folder, seconds: float) -> str:
 
 def _verify_conflicts(args) -> list[str]:
     given = [("--preset", args.preset is not None), ("--set", bool(args.overrides)), ("--out", args.out is not None),
-             ("--force", args.force)]
+             ("--force", args.force), ("--files", args.files is not None), ("--tokenizer", args.tokenizer is not None),
+             ("--vocab-size", args.vocab_size is not None)]
     return [flag for flag, on in given if on]
 
 
@@ -55,7 +66,7 @@ def run(args) -> int:
         conflicts = _verify_conflicts(args)
         if conflicts:
             raise ConfigError(f"--verify DIR checks an existing prepared folder and builds nothing; it cannot be "
-                             f"combined with {', '.join(conflicts)} (run the prepare and the verify as two commands)")
+                              f"combined with {', '.join(conflicts)} (run the prepare and the verify as two commands)")
         if not args.verify:
             raise ConfigError("--verify needs a folder: --verify DIR (a prepared data folder)")
         t0 = time.perf_counter()
@@ -67,9 +78,21 @@ def run(args) -> int:
     if foreign:
         raise ConfigError(f"--set {foreign[0]}: prepare takes data.* settings only (its other settings belong to "
                           f"`fibattn train`)")
-    cfg = apply_overrides(get_preset(args.preset or "tiny"), args.overrides)
+    cfg = get_preset(args.preset or "tiny")
+    preset_out, preset_sources = cfg.data.out_dir, list(cfg.data.sources)
+    if args.files is not None:
+        cfg.data.sources = files_sources(args.files)
+    if args.tokenizer is not None:
+        cfg.data.tokenizer = args.tokenizer
+    if args.vocab_size is not None:
+        cfg.data.vocab_size = args.vocab_size
+    apply_overrides(cfg, args.overrides)
     if args.out is not None:
-        cfg.data.out_dir = str(check_creatable(args.out, "--out"))
+        cfg.data.out_dir = args.out
+    elif cfg.data.out_dir == preset_out and cfg.data.sources != preset_sources:
+        name = getattr(cfg.data.sources[0], "name", None) if cfg.data.sources else None
+        cfg.data.out_dir = f"data/{name or 'mine'}"            # never the preset's folder for your own text
+    cfg.data.out_dir = str(check_creatable(cfg.data.out_dir, "--out" if args.out is not None else "data.out_dir"))
     t0 = time.perf_counter()
     try:
         folder = prepare(cfg.data, progress=not args.quiet, force=args.force)

@@ -1,9 +1,12 @@
 """``fibattn train``: train a model from a preset (or a saved config) plus ``--set`` overrides."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
+from ..data.manifest import data_config
 from ..trainer.trainer import TrainingAborted, train
 from ..validation import validate
 
@@ -16,9 +19,21 @@ def build_config(args) -> RunConfig:
         cfg = C.load(args.config)
     else:
         cfg = get_preset(args.preset or "tiny")
-    C.apply_overrides(cfg, args.set or [])
+    sets = args.set or []
+    keys = [s.split("=", 1)[0].strip() for s in sets]
+    if args.data:
+        given = [k for k in keys if k.startswith("data.")]
+        if given:
+            raise ConfigError(f"--data {args.data} takes every data.* setting from the folder's manifest; drop "
+                              f"--set {given[0]} (or prepare the data again with it)")
+        cfg.data, manifest = data_config(args.data)
+        if "model.vocab_size" not in keys:
+            cfg.model.vocab_size = manifest["vocab_size"]
+    C.apply_overrides(cfg, sets)
     if args.out:
         cfg.train.out_dir = args.out
+        if "name" not in keys:
+            cfg.name = Path(args.out).resolve().name       # a run is named after its folder
     return validate(cfg)
 
 
@@ -26,7 +41,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("--preset", choices=None, default=None, help="paper | tiny (default tiny)")
     parser.add_argument("--config", default=None, metavar="FILE.json", help="a full config (e.g. a run's config.json)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. model.window=8 (repeat)")
-    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (train.out_dir)")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="a folder from `fibattn prepare` (e.g. --files): its sources, tokenizer and vocabulary")
+    parser.add_argument("--out", default=None, metavar="DIR", help="output folder (train.out_dir); names the run")
     parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                         help="auto: continue from the newest verified checkpoint (default)")
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",

@@ -11,9 +11,26 @@ import numbers
 import re
 from pathlib import Path
 
+from ..config import DataConfig, from_dict
 from .shards import FORMAT_VERSION
 
 MANIFEST_FILE = "manifest.json"
+
+
+def data_config(folder) -> tuple[DataConfig, dict]:
+    """The :class:`~fibattn.config.DataConfig` a prepared folder was built with (its manifest's
+    ``config``), with ``out_dir`` the folder's absolute path: what ``fibattn train --data DIR`` uses."""
+    manifest = read_manifest(folder)
+    rec = manifest.get("config")
+    if not isinstance(rec, dict):
+        raise ValueError(f"{Path(folder) / MANIFEST_FILE} records no data config (prepared by an older fibattn?); "
+                         f"prepare the folder again with --force")
+    try:
+        data = from_dict({"data": {**rec, "out_dir": str(Path(folder).resolve())}}).data
+    except ValueError as exc:
+        raise ValueError(f"{Path(folder) / MANIFEST_FILE}: its data config is not one this fibattn reads ({exc})") \
+            from None
+    return data, manifest
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _REBUILD = "prepare the data again with --force"
 

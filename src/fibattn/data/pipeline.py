@@ -130,7 +130,8 @@ def _check_existing(out: Path, cfg: DataConfig) -> bool:
         return True
     raise ConfigError(f"data.out_dir {str(out)!r} was prepared with a different config "
                       f"({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}); "
-                      f"use --force to rebuild it or choose another --out")
+                      f"rebuild it (fibattn prepare --force), choose another data.out_dir, or train on it as "
+                      f"prepared (fibattn train --data {out})")
 
 
 def _batches(docs):

@@ -29,6 +29,26 @@ from .tokenizers import require
 FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
+def files_sources(paths, flag: str = "--files") -> list[SourceConfig]:
+    """One ``files`` source per path (a .txt/.jsonl/.parquet file or a folder of them), named after it
+    (letters, digits, - and _; made unique) and stored as an absolute path, so a run that uses the
+    prepared folder can be evaluated from any working directory."""
+    sources, names = [], set()
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if not path.exists():
+            raise ConfigError(f"{flag} {raw}: no such file or folder")
+        base = "".join(c if c.isalnum() or c in "-_" else "_" for c in (path.stem or path.resolve().name)) or "text"
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}-{k}", k + 1
+        names.add(name)
+        sources.append(SourceConfig(name=name, kind="files", path=str(path.resolve())))
+    if not sources:
+        raise ConfigError(f"{flag} needs at least one file or folder")
+    return sources
+
+
 def _text_of(value, where: str):
     if value is None or isinstance(value, str):
         return value
