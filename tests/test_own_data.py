@@ -96,3 +96,13 @@ def test_data_with_data_settings_or_a_missing_folder_is_refused(mytext, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
     assert sorted(p.name for p in Path(".").iterdir()) == ["d", "mytext.txt"]
+
+
+def test_config_lists_every_key_with_overrides_applied(capsys):
+    out = run(capsys, ["config", "--preset", "tiny", "--set", "model.window=3"])
+    keys = [line.split("=")[0].strip() for line in out.splitlines()]
+    assert "model.window" in keys and "train.lr" in keys and "data.sources" in keys and "eval.lengths" in keys
+    values = {line.split("=")[0].strip(): line.split("=", 1)[1].split()[0] for line in out.splitlines()}
+    assert values["model.window"] == "3" and values["name"] == '"tiny"'
+    from fibattn.presets import tiny
+    assert json.loads(run(capsys, ["config", "--json"]))["model"]["window"] == tiny().model.window

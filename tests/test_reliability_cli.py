@@ -75,6 +75,9 @@ CASES = [
     ("train-out-under-file", TRAIN[:4] + ["{W}/afile/sub"] + TRAIN[5:], "train.out_dir"),
     ("train-out-is-file", TRAIN[:4] + ["{W}/afile"] + TRAIN[5:], "train.out_dir"),
     # ---- prepare
+    ("config-bad-value", ["config", *_set("model.window=x")], "model.window"),
+    ("config-preset-and-config", ["config", "--preset", "tiny", "--config", "c.json"], "--preset"),
+    ("config-missing-file", ["config", "--config", "missing.json"], "missing.json"),
     ("prepare-val-fraction", ["prepare", "--quiet", "--out", "{O}", *_set("data.val_fraction=2")],
      "data.val_fraction"),
     ("prepare-tokenizer-choice", ["prepare", "--quiet", "--out", "{O}", *_set("data.tokenizer=wordpiece")],

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import sys
 
 import torch
 
 from .. import __version__
 from ..files import os_error_line
-from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, train
+from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, show_config, train
 
 COMMANDS = {
     "demo": (demo, "train and evaluate the demo grid on the bundled corpus (CPU, minutes)"),
@@ -28,6 +29,7 @@ COMMANDS = {
     "generate": (generate, "stream tokens from a trained model"),
     "export": (export, "write a portable model folder"),
     "bench": (bench, "benchmarks: attention, train, generate"),
+    "config": (show_config, "every --set key with its value, for a preset or a saved config"),
 }
 
 
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     except ValueError as exc:              # ConfigError, PathError, CheckpointError, ShardError, ...: bad input
         print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:                # stdout closed early (``fibattn config | head``): not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except OSError as exc:                 # the file system refused: one line naming the path, never a traceback
         print(f"fibattn {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
         return 1 if exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) else 2

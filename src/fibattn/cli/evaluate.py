@@ -48,4 +48,5 @@ def run(args) -> int:
     if "alpha_report" in s:
         print()
         print(s["alpha_report"])
+    print(f"wrote {s['json']}" + (f"\nplot: {s['plot']}" if "plot" in s else ""))
     return 0

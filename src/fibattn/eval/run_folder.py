@@ -194,6 +194,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         report.settings["alpha_report"] = ar.markdown()
     with naming_os_errors(json_path, "--json" if json_out else "the run's eval.json"):
         merge_json(json_path, run, ck_step, report, extra)
+    report.settings["json"] = str(json_path)
     if db_path is not None:
         log_to_db(db_path, run, ck_step, report)
     if plot:
@@ -202,6 +203,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
             png = folder / f"eval_positions_{mode}.png"
             with naming_os_errors(png, "the run folder"):
                 plot_positions(report, png, f"{run} (step {ck_step}), {mode}")
+            report.settings["plot"] = str(png)
         else:
             plots.warn_unavailable("the per-position loss plot")
     return report

@@ -120,10 +120,9 @@ def accum_steps(cfg: RunConfig, world: int) -> int:
 
 def load_data(cfg: RunConfig, dist: D.DistInfo):
     from ..data import TokenData, ensure_prepared
-    if dist.is_main:
-        ensure_prepared(cfg.data)
+    path = ensure_prepared(cfg.data) if dist.is_main else None     # prepared (or reused) once, by rank 0
     D.barrier(dist)
-    return TokenData(ensure_prepared(cfg.data))
+    return TokenData(path if path is not None else Path(cfg.data.out_dir).expanduser())
 
 
 def tokenizer_file(data) -> Path | None:
