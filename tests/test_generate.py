@@ -220,8 +220,8 @@ def test_text_stream_never_splits_utf8():
 
 def test_cli_streams_text(monkeypatch, capsys):
     model = build(vocab_size=256)
-    monkeypatch.setattr(cli_generate, "load_run", lambda run_dir, step="latest", device="cpu", model_overrides=None:
-                        (model, None, ByteTokenizer()))
+    monkeypatch.setattr(cli_generate, "load_model", lambda run_dir, step="latest", device="cpu", model_overrides=None:
+                        (model, ByteTokenizer()))
     args = Namespace(run_dir="x", prompt="Hi ", max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None,
                      step="latest", device="cpu", overrides=[], threads=0)
     assert run(args) == 0

@@ -7,7 +7,8 @@ from ..storage.runs import parse_step
 
 
 def configure_parser(parser) -> None:
-    parser.add_argument("run", metavar="RUN", help="a run folder (or one of its checkpoints/step-N folders)")
+    parser.add_argument("run", metavar="RUN", help="a run folder, one of its checkpoints/step-N folders, or an "
+                        "export folder (then --data is required)")
     parser.add_argument("--step", default="latest", help="checkpoint step (default: the newest complete one)")
     parser.add_argument("--lengths", default=None, help="comma-separated lengths (default: the run's eval.lengths)")
     parser.add_argument("--datasets", default=None, help="comma-separated validation splits (default: all)")
@@ -20,7 +21,8 @@ def configure_parser(parser) -> None:
     parser.add_argument("--buckets", type=int, default=32, help="per-position loss buckets (default 32)")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: the run's train.device)")
     parser.add_argument("--precision", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16")
-    parser.add_argument("--data", default=None, metavar="DIR", help="prepared data folder (default: data.out_dir)")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="prepared data folder (default: the run's data.out_dir)")
     parser.add_argument("--json", default=None, metavar="OUT", help="JSON file to merge into (default: RUN/eval.json)")
     parser.add_argument("--db", default="", metavar="PATH|off", help="results DB (default: the run's)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")

@@ -10,13 +10,14 @@ import torch
 from ..checks import check_int
 from ..devices import resolve_device
 from ..generation.decode import TextStream, generate
-from ..storage.runs import load_run, parse_step
+from ..storage.pretrained import load_model
+from ..storage.runs import parse_step
 
 log = logging.getLogger("fibattn")
 
 
 def configure_parser(parser) -> None:
-    parser.add_argument("run_dir", metavar="RUN", help="a training run folder (checkpoints + config)")
+    parser.add_argument("run_dir", metavar="RUN", help="a training run folder, a checkpoint folder or an export folder")
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                         help="tokens to generate after the prompt (default 200)")
@@ -38,9 +39,9 @@ def run(args, out=None) -> int:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(check_int("--threads", args.threads, 0))
-    model, _cfg, tokenizer = load_run(args.run_dir, step=step, device=device, model_overrides=args.overrides)
+    model, tokenizer = load_model(args.run_dir, step=step, device=device, model_overrides=args.overrides)
     if tokenizer is None:
-        raise ValueError(f"run {args.run_dir} has no tokenizer (tokenizer.json in the checkpoint or data folder)")
+        raise ValueError(f"{args.run_dir} has no tokenizer (tokenizer.json in the checkpoint, export or data folder)")
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")

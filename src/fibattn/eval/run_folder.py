@@ -155,6 +155,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     from .. import plots
     from ..storage.checkpoint import Checkpoint
     from ..storage.results import run_key
+    from ..storage.pretrained import is_export
     from ..storage.runs import find_checkpoint, load_run
     folder = run_folder(run_dir)
     if lengths is not None:
@@ -163,8 +164,12 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
     if device is not None:
         resolve_device(device)                                   # a bad --device fails before loading
-    ckpt = find_checkpoint(run_dir, step)                        # verified once: this folder is what is evaluated
-    model, cfg, tokenizer = load_run(ckpt, device="cpu")
+    if is_export(folder):
+        model, cfg, tokenizer, ck_step, ckpt = _load_export(folder, step, data)
+    else:
+        ckpt = find_checkpoint(run_dir, step)                    # verified once: this folder is what is evaluated
+        model, cfg, tokenizer = load_run(ckpt, device="cpu")
+        ck_step = Checkpoint.open(ckpt).step
     json_path = Path(json_out) if json_out else folder / EVAL_JSON
     check_creatable(json_path, "--json" if json_out else "the run's eval.json", "file")
     read_json_target(json_path)                                  # a damaged eval.json fails before the work
@@ -174,7 +179,6 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     dev = resolve_device(device if device is not None else cfg.train.device)
     prec = resolve_precision(precision, dev)
     model.to(dev)
-    ck_step = Checkpoint.open(ckpt).step
     ev = cfg.eval
     td = open_data(data, cfg)
     _check_data_matches(td, cfg, ckpt)
@@ -187,7 +191,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     run = run_key(folder)
     report.settings.update(run=run, step=ck_step, run_dir=str(folder))
     extra = {}
-    if alpha_report and A.is_learned(cfg.model):
+    if alpha_report and A.is_learned(cfg.model) and not is_export(folder):
         ar = A.report_for_run(folder, model, cfg, db_path=_db_path(db, folder, cfg), end_step=ck_step)
         A.write_report(ar, folder, plot=plot)
         extra["alphas"] = ar.to_dict()
@@ -207,6 +211,25 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         else:
             plots.warn_unavailable("the per-position loss plot")
     return report
+
+
+def _load_export(folder: Path, step, data):
+    """``(model, cfg, tokenizer, step, folder)`` of an export folder. An export records the model, not the
+    data or the run's settings: ``--data`` is required, lengths default to 1× and 4× the training length,
+    and no results database is written unless ``--db`` names one."""
+    from ..config import RunConfig
+    from ..storage.pretrained import load_pretrained
+    if step != "latest":
+        raise ValueError(f"{folder} is an export folder (one fixed step); --step must be 'latest', got {step!r}")
+    if data is None:
+        raise ValueError(f"{folder} is an export, which records no data folder: pass --data DIR (a folder from "
+                         f"`fibattn prepare` with the export's tokenizer)")
+    bundle = load_pretrained(folder)
+    cfg = RunConfig(name=folder.name, model=bundle.model_config)
+    cfg.eval.lengths = [bundle.model_config.seq_len, 4 * bundle.model_config.seq_len]
+    cfg.train.results_db, cfg.train.device = "off", "auto"
+    source_step = (bundle.meta.get("source") or {}).get("step")
+    return bundle.model, cfg, bundle.tokenizer, source_step, folder
 
 
 def _check_data_matches(td, cfg, ckpt: Path) -> None:

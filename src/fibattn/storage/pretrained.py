@@ -85,7 +85,9 @@ def read_meta(path) -> dict:
     except (UnicodeDecodeError, ValueError) as exc:
         raise ExportError(f"{folder}: {CONFIG} is corrupted (not valid JSON: {exc})") from None
     if not isinstance(doc, dict) or "fibattn_format" not in doc:
-        raise ExportError(f"{folder}: {CONFIG} is not a fibattn export config (no fibattn_format key)")
+        hint = (" — it is a training run's config: load the run with fibattn.from_pretrained / load_model, or write "
+                f"an export with `fibattn export {folder} OUT`" if isinstance(doc, dict) and "train" in doc else "")
+        raise ExportError(f"{folder}: {CONFIG} is not a fibattn export config (no fibattn_format key){hint}")
     if doc["fibattn_format"] != FORMAT:
         raise ExportError(f"{folder}: {CONFIG} has fibattn_format {doc['fibattn_format']!r}; this fibattn "
                           f"reads format {FORMAT}")
@@ -181,20 +183,43 @@ def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) 
     return Pretrained(model, mcfg, tokenizer, meta)
 
 
+def is_run_or_checkpoint(path) -> bool:
+    p = Path(path)
+    return (p / "checkpoints").is_dir() or (p / "meta.json").is_file()
+
+
 def from_pretrained(path, *, device="cpu", model_overrides: dict | None = None):
-    """The :class:`fibattn.model.lm.FibLM` of an export folder (eval mode); ``.tokenizer`` is attached."""
-    bundle = load_pretrained(path, device=device, model_overrides=model_overrides)
-    bundle.model.tokenizer = bundle.tokenizer
-    return bundle.model
+    """The :class:`fibattn.model.lm.FibLM` of an export folder, or of the newest verified checkpoint of a
+    training run / a checkpoint folder (eval mode); ``.tokenizer`` is attached."""
+    if not is_export(path) and is_run_or_checkpoint(path):
+        from .runs import load_run
+        items = [f"model.{k}={v}" for k, v in (model_overrides or {}).items()]
+        model, _cfg, tokenizer = load_run(path, device=device, model_overrides=items)
+    else:
+        bundle = load_pretrained(path, device=device, model_overrides=model_overrides)
+        model, tokenizer = bundle.model, bundle.tokenizer
+    model.tokenizer = tokenizer
+    return model
 
 
-def load_model(path, *, step="latest", device="cpu"):
-    """``(model, tokenizer)`` from an export folder or a training run / checkpoint folder."""
+def load_model(path, *, step="latest", device="cpu", model_overrides: list[str] | None = None):
+    """``(model, tokenizer)`` from an export folder or a training run / checkpoint folder.
+
+    ``model_overrides``: ``"model.KEY=VALUE"`` strings for the runtime keys (``reach``, ``backend``,
+    ``max_seq_len``), as ``fibattn generate --set`` takes them."""
     if is_export(path):
         if step != "latest":
             raise ValueError(f"{path} is an export folder (one fixed step); step must be 'latest', got {step!r}")
-        bundle = load_pretrained(path, device=device)
+        from ..config import RunConfig, apply_overrides
+        parsed = apply_overrides(RunConfig(), list(model_overrides or []))
+        keys = [item.split("=", 1)[0].strip() for item in model_overrides or []]
+        bad = [k for k in keys if not k.startswith("model.")]
+        if bad:
+            raise ValueError(f"model_overrides may only set model.reach, model.backend, model.max_seq_len, "
+                             f"got {bad[0]!r}")
+        overrides = {k[len("model."):]: getattr(parsed.model, k[len("model."):]) for k in keys}
+        bundle = load_pretrained(path, device=device, model_overrides=overrides)
         return bundle.model, bundle.tokenizer
     from .runs import load_run
-    model, _cfg, tokenizer = load_run(path, step=step, device=device)
+    model, _cfg, tokenizer = load_run(path, step=step, device=device, model_overrides=model_overrides)
     return model, tokenizer
