@@ -102,6 +102,13 @@ def test_html_is_self_contained(tmp_path):
     assert not re.search(r"(src|href)\s*=\s*['\"](?!data:)", page) and "<link" not in page
 
 
+def test_inline_markdown_in_html():
+    from fibattn.study.pages import inline_html
+    assert inline_html("run `a<b` is **best** & done") == "run <code>a&lt;b</code> is <strong>best</strong> &amp; done"
+    table = Table("t", ["h"], [["1"]], note="Bold: lowest")
+    assert "Bold" in table.html()
+
+
 def _fake_results(root, grid, lengths, base=10.0):
     """Record synthetic evaluations for every run of ``grid`` (and an eval.json for two of them)."""
     with ResultsDB(root / "results.sqlite") as db:
@@ -140,6 +147,10 @@ def test_report_end_to_end_from_database(tmp_path, capsys):
         assert (root / "report" / png).is_file() and f"]({png})" in md
     page = (root / "report" / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4 and not re.search(r"(src|href)\s*=\s*['\"](?!data:)", page)
+    assert "`" not in page and "<code>demo</code>" in page and "**" not in page     # Markdown rendered
+    steps = grid.config(grid.runs[0], root).train.steps
+    assert "## Settings" in md and f"`train.steps` {steps}" in md and "What sets the runs apart" in md
+    assert "| dense | dense | — |" in md                               # sparse-only settings blank for dense
 
 
 def test_paper_report_compares_with_study(tmp_path):

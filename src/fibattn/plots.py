@@ -42,6 +42,9 @@ class Panel:
     hline_label: str = ""
     logx: bool = False
     ylim: tuple | None = None       # (low, high)
+    vline: float | None = None      # a dashed vertical marker (e.g. the training length)
+    vline_label: str = ""
+    integer_x: bool = False         # ticks on whole numbers only (layers)
 
 
 def available() -> bool:
@@ -105,13 +108,18 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
                 raise ValueError(f"panel kind must be line or bar, got {panel.kind!r}")
             if panel.hline is not None:
                 ax.axhline(panel.hline, color="grey", linestyle=":", linewidth=1, label=panel.hline_label or None)
+            if panel.vline is not None:
+                ax.axvline(panel.vline, color="black", linestyle="--", linewidth=0.8, label=panel.vline_label or None)
+            if panel.integer_x:
+                from matplotlib.ticker import MaxNLocator
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if panel.ylim is not None:
                 ax.set_ylim(*panel.ylim)
             ax.set_title(panel.title, fontsize=10)
             ax.set_xlabel(panel.xlabel)
             ax.set_ylabel(panel.ylabel)
             ax.grid(True, alpha=0.3)
-            if panel.series and (len(panel.series) > 1 or panel.hline_label):
+            if panel.series and (len(panel.series) > 1 or panel.hline_label or panel.vline_label):
                 ax.legend(fontsize=7)
         if suptitle:
             fig.suptitle(suptitle, fontsize=11)

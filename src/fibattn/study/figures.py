@@ -28,8 +28,9 @@ def ppl_vs_length(results, datasets: list[str], path) -> Path | None:
                 series.append(Series(_label(r), [n for n, _ in pts], [v for _, v in pts], marker="o",
                                      linestyle="--" if r.variant == "dense" else "-"))
         if series:
+            T = results[0].train_len if results else None
             panels.append(Panel(f"{d}: perplexity vs evaluation length", "evaluation length (tokens)", "perplexity",
-                                series, logx=True))
+                                series, logx=True, vline=T, vline_label=f"training length {T}" if T else ""))
     return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
 
 
@@ -49,8 +50,10 @@ def per_position(results, dataset: str, path) -> Path | None:
                 series.append(Series(_label(r), xs, [b["loss"] for b in buckets], marker=".",
                                      linestyle="--" if r.variant == "dense" else "-"))
         if series:
+            T = results[0].train_len if results else None
             panels.append(Panel(f"{dataset}, windows of {n}", "position in window (1-based)", "mean loss (nats)",
-                                series, logx=True))
+                                series, logx=True, vline=T if T and T < n else None,
+                                vline_label=f"training length {T}" if T and T < n else ""))
     return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
 
 
@@ -67,7 +70,7 @@ def alphas_per_layer(results, path) -> Path | None:
             series.append(Series(f"{schedule} (static, for reference)", list(range(len(ref))), ref, linestyle=":"))
     start = config_layer_alphas(m)[0] if m is not None and len(set(config_layer_alphas(m))) == 1 else None
     panel = Panel("alpha per layer after training", "layer", "alpha", series, hline=start,
-                  hline_label="learned start" if start is not None else "")
+                  hline_label="learned start" if start is not None else "", integer_x=True)
     return plots.save_panels(path, [panel], panel_size=(7.0, 4.2))
 
 
@@ -116,17 +119,26 @@ def distances(results, path) -> Path | None:
             for y, ds in list(enumerate(per_layer)) + [(L + 0.5, union)]:
                 far = [d for d in ds if d > r.window]
                 ax.scatter(far, [y] * len(far), marker="|", s=90, color="black" if y > L else "C0")
-            ax.axvspan(0.8, r.window + 0.5, color="C1", alpha=0.15, label=f"window 1..{r.window}")
+            # the window 1..W is every distance there: named in the title, not drawn, so the sparse
+            # distances get the width
+            far_all = [d for d in union if d > r.window] or [r.window + 1]
             ax.set_xscale("log", base=2)
+            ax.set_xlim(r.window + 0.5, max(far_all) * 1.4)
+            ticks = [2 ** k for k in range(0, 40) if r.window < 2 ** k <= max(far_all) * 1.4]
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([str(t) for t in ticks], fontsize=7, rotation=45 if len(ticks) > 8 else 0)
+            ax.minorticks_off()
+            for i, d in enumerate(d for d in union if d > r.window):      # the union's distances, labelled
+                ax.annotate(str(d), (d, L + 0.5), xytext=(0, 7 + 7 * (i % 2)), textcoords="offset points",
+                            ha="center", fontsize=6)
             ax.set_yticks(list(range(L)) + [L + 0.5])
             ax.set_yticklabels([str(i) for i in range(L)] + ["union"], fontsize=7)
-            ax.set_ylim(-0.7, L + 1.2)
-            ax.set_title(f"{r.name}: {r.variant}, W={r.window}, T={r.model.seq_len}\n"
+            ax.set_ylim(-0.7, L + 1.6)
+            ax.set_title(f"{r.name}: {r.variant}, T={r.model.seq_len}; window 1..{r.window} (not drawn)\n"
                          f"{len(union)} distinct distances (0..{max(union)})", fontsize=9)
             ax.set_xlabel("distance (log scale)")
             ax.set_ylabel("layer")
             ax.grid(True, axis="x", alpha=0.3)
-            ax.legend(fontsize=7, loc="lower right")
     except BaseException:
         plt.close(fig)
         raise
@@ -148,7 +160,7 @@ def draw_all(results, datasets: list[str], out_dir) -> list[tuple[Path, str]]:
         (alphas_per_layer(results, out / "alphas.png"),
          "Alpha per layer at the end of training for learned runs (static linear / coprime schedules dotted)."),
         (distances(results, out / "distances.png"),
-         "Attended distances (>0) per layer at the training length, and their union (top row), per schedule; "
-         "distances 0..W are the local window."),
+         "Attended distances beyond the local window per layer at the training length, and their union (top "
+         "row), per schedule (log scale; the window 0..W is attended by every layer and not drawn)."),
     ]
     return [(p, c) for p, c in items if p is not None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class Table:
                 text = html.escape(str(v))
                 cells.append(f"<td><b>{text}</b></td>" if (r, c) in self.bold else f"<td>{text}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
-        note = f"<p class='note'>{html.escape(self.note)}</p>" if self.note else ""
+        note = f"<p class='note'>{inline_html(self.note)}</p>" if self.note else ""
         return (f"<h3>{html.escape(self.title)}</h3><table><thead><tr>{head}</tr></thead>"
                 f"<tbody>{''.join(body)}</tbody></table>{note}")
 
@@ -92,6 +93,15 @@ def to_markdown(title: str, blocks: list, out_dir: Path) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+_CODE = re.compile(r"`([^`]+)`")
+_STRONG = re.compile(r"\*\*(.+?)\*\*")
+
+
+def inline_html(text: str) -> str:
+    """Escaped ``text`` with the Markdown the report's prose uses: `code` and **bold**."""
+    return _STRONG.sub(r"<strong>\1</strong>", _CODE.sub(r"<code>\1</code>", html.escape(text)))
+
+
 def _data_uri(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
 
@@ -101,14 +111,14 @@ def to_html(title: str, blocks: list) -> str:
     for b in blocks:
         if isinstance(b, Heading):
             level = min(max(b.level, 1), 6)
-            parts.append(f"<h{level}>{html.escape(b.text)}</h{level}>")
+            parts.append(f"<h{level}>{inline_html(b.text)}</h{level}>")
         elif isinstance(b, Text):
             for para in b.text.split("\n\n"):
                 if para.startswith("```"):
                     body = para.strip("`").split("\n", 1)[-1]
                     parts.append(f"<pre>{html.escape(body)}</pre>")
                 else:
-                    parts.append(f"<p>{html.escape(para)}</p>")
+                    parts.append(f"<p>{inline_html(para)}</p>")
         elif isinstance(b, Table):
             parts.append(b.html())
         elif isinstance(b, Image):

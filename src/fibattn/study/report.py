@@ -126,7 +126,7 @@ def main_table(results: list[RunResult], datasets: list[str]) -> Table:
             table.bold.add((i, min(scores)[1]))
     extras = [r for r in prim if r.variant not in COLUMNS]
     notes = [f"{label_of(r)}: {_cell(r, datasets, T)}" for r in sorted(extras, key=lambda r: (r.variant, r.window or 0))]
-    table.note = ("Bold: lowest " + abbrev(datasets[0]) + " perplexity in the row. " if table.rows else "") + \
+    table.note = ("Bold: lowest " + abbrev(datasets[0]) + " perplexity in the row. " if table.bold else "") + \
         ("; ".join(notes) + "." if notes else "")
     return table
 
@@ -296,7 +296,8 @@ def headline_factor(results: list[RunResult]) -> int | None:
     return 4 if 4 in mults else (max(mults) if mults else None)
 
 
-def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], images) -> tuple[list, list, list]:
+def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], images,
+                 settings: list | None = None) -> tuple[list, list, list]:
     done = [r for r in results if r.ppl]
     blocks: list = [Text(f"Grid `{grid_name}`: {len(done)} of {len(results)} runs evaluated. Perplexity is token-level "
                          f"(exp of the mean loss over every position of back-to-back windows; the same tokens at "
@@ -314,6 +315,8 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     if factor and datasets:
         checks = headline_check(primary(done), datasets[0], factor)
         tables.append(check_table(checks, datasets[0], factor))
+    if settings:
+        blocks += [Heading("Settings")] + settings
     blocks += [Heading("Tables")] + tables
     lines = [f"{r.name}: {r.alpha_line}" for r in results if r.alpha_line]
     if lines:
@@ -340,7 +343,8 @@ def build_report(grid, root, out=None, *, datasets: list[str] | None = None, plo
             raise ValueError(f"--datasets: no results for {bad[0]!r} (evaluated: {', '.join(found) or 'none'})")
     ds = list(datasets or found)
     images = report_plots.draw_all(primary([r for r in results if r.ppl]), ds, out) if plot else []
-    blocks, tables, checks = build_blocks(grid.name, results, ds, images)
+    from .settings import settings_blocks
+    blocks, tables, checks = build_blocks(grid.name, results, ds, images, settings_blocks(grid, root))
     title = f"fibattn report: grid {grid.name}"
     md, page = out / "report.md", out / "report.html"
     atomic_write_text(md, to_markdown(title, blocks, out))

@@ -67,12 +67,13 @@ def is_main_rank() -> bool:
 
 
 # ------------------------------------------------------------------------------ state
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """``{"section.field": value}`` of a nested config dict."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flat(v, key + "."))
+            out.update(flat_config(v, key + "."))
         else:
             out[key] = v
     return out
@@ -80,7 +81,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def settings_diff(saved: dict, cfg: RunConfig) -> list[str]:
     """``key: old -> new`` for every result-changing setting that differs."""
-    a, b = _flat(saved), _flat(C.to_dict(cfg))
+    a, b = flat_config(saved), flat_config(C.to_dict(cfg))
     keys = sorted(k for k in set(a) | set(b) if k not in RUNTIME_KEYS and a.get(k) != b.get(k))
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
 
