@@ -134,3 +134,39 @@ def test_bad_arguments():
     plain.set_attn_implementation(IMPL_NAME)
     with pytest.raises(ValueError, match="apply_fibattn"):
         plain(ids(t=4))
+
+
+def test_save_pretrained_round_trip_keeps_the_sparse_attention(tmp_path):
+    from fibattn.interop import hf_llama as H
+    m = apply_fibattn(llama(), window=3, schedule="coprime").eval()
+    x = ids(1)
+    with torch.no_grad():
+        ref = m(x).logits
+    m.save_pretrained(tmp_path / "m")
+    loaded = [H.from_pretrained(tmp_path / "m"),
+              transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation=IMPL_NAME)]
+    with torch.no_grad():
+        for model in loaded:
+            torch.testing.assert_close(model.eval()(x).logits, ref)
+    plain = llama()
+    plain.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="apply_fibattn"):      # never a silent dense model
+        H.from_pretrained(tmp_path / "plain")
+
+
+def test_left_padded_batch_gives_the_unpadded_outputs():
+    m = apply_fibattn(llama(), window=3).eval()
+    x, p = ids(1), 6
+    padded = torch.cat([torch.zeros(1, p, dtype=torch.long), x], 1)
+    batch = torch.cat([padded, torch.cat([x[:, :p], x], 1)], 0)
+    mask = torch.ones_like(batch)
+    mask[0, :p] = 0
+    with torch.no_grad():
+        ref = m(x).logits
+        out = m(batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[0, p:], ref[0], atol=1e-5, rtol=1e-5)
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    want = m.generate(x[:, :12], **greedy)[0, 12:]
+    got = m.generate(padded[:, :p + 12], attention_mask=mask[:1, :p + 12], **greedy)[0, p + 12:]
+    assert got.tolist() == want.tolist()

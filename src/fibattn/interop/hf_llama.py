@@ -18,13 +18,18 @@ Layout, as transformers passes it: query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv
 (RoPE already applied); the function returns ``(B, Tq, H, Dh)`` and no weights.
 
 Semantics: the query at position ``i`` attends keys ``i - d`` for ``d`` in the layer's
-``attended_distances(window, alpha, base, Tk, reach=reach_len)``. Without a cache
+``attended_distances(window, alpha, base, Tk, reach=reach_len)``. Without a cache or padding
 (``Tq == Tk``) this is :func:`fibattn.sparse_attention` (O(T·|D|)). With a cache
-(``Tq < Tk``, generation) the last ``Tq`` positions attend through a sparse boolean mask
-over the cached keys: exact, but the cache is transformers' full cache (for
-constant-memory decoding use :func:`fibattn.generation.decode`). Padding masks are not applied:
-use unpadded batches (right padding is harmless for the real tokens' outputs; left
-padding is not supported). Alphas are fixed per layer (``learned`` is not supported here).
+(``Tq < Tk``, generation) or a padded batch (``attention_mask``), the queries attend through
+the sparse boolean pattern combined with transformers' padding mask: exact (a left-padded
+row gives its real tokens the outputs of the unpadded prompt), but O(Tq·Tk), and the cache is
+transformers' full cache (for constant-memory decoding use :func:`fibattn.generation.decode`).
+Alphas are fixed per layer (``learned`` is not supported here).
+
+Saving: ``apply_fibattn`` records its settings in ``model.config.fibattn``, so
+``save_pretrained`` keeps them. Plain transformers cannot know about them: load with
+:func:`from_pretrained` here, or with ``attn_implementation="fibattn"`` after importing this
+module; either way the layers rebuild their patterns from the saved config.
 """
 from __future__ import annotations
 
@@ -74,9 +79,35 @@ def _cached_mask(spec: LayerSpec, tq: int, tk: int, device) -> torch.Tensor:
     return torch.isin(gap, dist) & (gap >= 0)
 
 
+def _spec_from_config(module) -> LayerSpec | None:
+    """A layer's spec rebuilt from ``config.fibattn`` (what :func:`apply_fibattn` saved), if there is one."""
+    saved = getattr(getattr(module, "config", None), "fibattn", None)
+    if not isinstance(saved, dict) or not isinstance(getattr(module, "layer_idx", None), int):
+        return None
+    base = saved.get("base", {})
+    spec = LayerSpec(module.layer_idx, int(saved["window"]), float(saved["alphas"][module.layer_idx]),
+                     Base(base.get("kind", "fib"), int(base.get("k", 15)), tuple(base.get("values", ()))),
+                     saved.get("reach_len"), saved.get("backend", "auto"))
+    module.fibattn_spec = spec
+    return spec
+
+
+def _masked(spec: LayerSpec, query, key, value, pad, scaling):
+    """Attention through the sparse pattern and transformers' boolean mask ``pad`` ``(B, 1, Tq, Tk)``."""
+    tq, tk = query.shape[2], key.shape[2]
+    allowed = _cached_mask(spec, tq, tk, query.device)[None, None] & pad.to(torch.bool)
+    # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
+    empty = ~allowed.any(-1, keepdim=True)
+    diag = torch.zeros_like(allowed)
+    diag[..., torch.arange(tq), torch.arange(tk - tq, tk)] = True
+    allowed = allowed | (empty & diag)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
 def fibattn_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """The function registered as ``"fibattn"``; see the module docstring."""
-    spec = getattr(module, "fibattn_spec", None)
+    spec = getattr(module, "fibattn_spec", None) or _spec_from_config(module)
     if not isinstance(spec, LayerSpec):
         raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no fibattn "
                          f"spec: call fibattn.interop.hf_llama.apply_fibattn(model, ...) instead of setting "
@@ -84,7 +115,11 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     if dropout:
         raise ValueError(f"fibattn attention has no dropout; set config.attention_dropout=0, got {dropout}")
     tq, tk = query.shape[2], key.shape[2]
-    if tq == tk:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        out = _masked(spec, query, key, value, attention_mask, scaling)
+    elif attention_mask is not None:
+        raise ValueError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
+    elif tq == tk:
         out = sparse_attention(query, key, value, spec.distances(tk), scale=scaling, backend=spec.backend)
     else:
         mask = _cached_mask(spec, tq, tk, query.device)
@@ -100,6 +135,9 @@ def register() -> None:
         raise ImportError(f"fibattn.interop.hf_llama needs transformers >= 4.48 (AttentionInterface); found "
                           f"{transformers.__version__}")
     transformers.AttentionInterface.register(IMPL_NAME, fibattn_attention)
+    masks = getattr(getattr(transformers, "masking_utils", None), "AttentionMaskInterface", None)
+    if masks is not None:                  # boolean (B, 1, Tq, Tk) masks, None when nothing is padded
+        masks.register(IMPL_NAME, transformers.masking_utils.sdpa_mask)
 
 
 def attention_modules(model) -> list:
@@ -145,6 +183,9 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
     values = plan_alphas(len(layers), schedule, a_min=a_min, a_max=a_max, alpha=alpha, alphas=alphas)
     for module, a in zip(layers, values):
         module.fibattn_spec = LayerSpec(module.layer_idx, window, float(a), base, reach_len, backend)
+    model.config.fibattn = {"window": window, "alphas": [float(a) for a in values], "reach_len": reach_len,
+                            "backend": backend, "schedule": schedule,
+                            "base": {"kind": base.kind, "k": base.k, "values": list(base.values)}}
     _set_impl(model, IMPL_NAME)
     wrong = [m.layer_idx for m in layers if m.config._attn_implementation != IMPL_NAME]
     if wrong:
@@ -154,11 +195,29 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
     return model
 
 
+def from_pretrained(path, *, model_class=None, **kwargs):
+    """Load a model saved after :func:`apply_fibattn` with its sparse attention (``kwargs`` go to
+    transformers' ``from_pretrained``); a folder without fibattn settings is an error, never a silent
+    dense model."""
+    transformers = _require_transformers()
+    register()
+    cls = model_class or transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(path, attn_implementation=IMPL_NAME, **kwargs)
+    if not isinstance(getattr(model.config, "fibattn", None), dict):
+        raise ValueError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "
+                         f"load it with transformers and call apply_fibattn(model, ...)")
+    for module in attention_modules(model):
+        _spec_from_config(module)
+    return model
+
+
 def remove_fibattn(model, implementation: str = "sdpa"):
-    """Back to a built-in attention (``sdpa`` or ``eager``); the specs are removed."""
+    """Back to a built-in attention (``sdpa`` or ``eager``); the specs and saved settings are removed."""
     for module in attention_modules(model):
         if hasattr(module, "fibattn_spec"):
             del module.fibattn_spec
+    if hasattr(model.config, "fibattn"):
+        del model.config.fibattn
     _set_impl(model, implementation)
     return model
 
