@@ -241,3 +241,14 @@ def test_text_stream_generic_tokenizer_holds_partial_characters():
     stream = TextStream(Bytes())
     pieces = [stream.push(t) for t in text.encode()]
     assert "".join(pieces) + stream.flush() == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_generate_ids_and_text():
+    model = build(vocab_size=256)
+    tok = ByteTokenizer()
+    want = generate_tokens(model, [list(b"Hi ")], max_new_tokens=8, temperature=0, stop_ids=[tok.eos_id])[0]
+    assert model.generate_ids([list(b"Hi ")], max_new_tokens=8, temperature=0, stop_ids=[tok.eos_id])[0] == want
+    text = model.generate_text("Hi ", tokenizer=tok, max_new_tokens=8, temperature=0)
+    assert text == tok.decode([t for t in want if t != tok.eos_id])
+    with pytest.raises(ValueError, match="tokenizer"):
+        build(vocab_size=256).generate_text("Hi ")

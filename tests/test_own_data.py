@@ -106,3 +106,11 @@ def test_config_lists_every_key_with_overrides_applied(capsys):
     assert values["model.window"] == "3" and values["name"] == '"tiny"'
     from fibattn.presets import tiny
     assert json.loads(run(capsys, ["config", "--json"]))["model"]["window"] == tiny().model.window
+
+
+def test_the_data_folder_is_stored_absolute(tmp_path, monkeypatch, capsys, tiny_data):
+    import shutil
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_data, tmp_path / "d")
+    run(capsys, ["train", "--set", "data.out_dir=d", "--out", "r", *FAST])
+    assert json.loads(Path("r/config.json").read_text())["data"]["out_dir"] == str(tmp_path / "d")

@@ -30,6 +30,8 @@ def build_config(args) -> RunConfig:
         if "model.vocab_size" not in keys:
             cfg.model.vocab_size = manifest["vocab_size"]
     C.apply_overrides(cfg, sets)
+    if isinstance(cfg.data.out_dir, str) and cfg.data.out_dir.strip():
+        cfg.data.out_dir = str(Path(cfg.data.out_dir).expanduser().absolute())   # eval works from any directory
     if args.out:
         cfg.train.out_dir = args.out
         if "name" not in keys:

@@ -134,6 +134,28 @@ class FibLM(nn.Module):
         return [layer.distances(seq_len) for layer in self.layers()]
 
     def generate(self, prompt_ids, **kwargs):
-        """Stream new tokens with constant-memory sparse KV caches; see :func:`fibattn.generation.decode.generate`."""
+        """Stream new tokens with constant-memory sparse KV caches: one step object (tokens, logits) per
+        step; see :func:`fibattn.generation.decode.generate`. For ids or text use :meth:`generate_ids` /
+        :meth:`generate_text`."""
         from ..generation.decode import generate
         return generate(self, prompt_ids, **kwargs)
+
+    def generate_ids(self, prompt_ids, **kwargs) -> list[list[int]]:
+        """The new token ids of every prompt row (a stop token included); ``kwargs`` as :meth:`generate`."""
+        from ..generation.decode import generate_tokens
+        return generate_tokens(self, prompt_ids, **kwargs)
+
+    def generate_text(self, prompt: str, *, tokenizer=None, **kwargs) -> str:
+        """The continuation of ``prompt`` as text, stopping at the end-of-document token. ``tokenizer``
+        defaults to the one :func:`fibattn.from_pretrained` attached; ``kwargs`` as :meth:`generate`."""
+        tok = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
+        if tok is None:
+            raise ValueError("generate_text needs a tokenizer: load the model with fibattn.from_pretrained or pass "
+                             "tokenizer=")
+        ids = tok.encode(prompt)
+        if not ids:
+            raise ValueError("prompt encodes to no tokens; give a non-empty prompt")
+        eos = getattr(tok, "eos_id", None)
+        kwargs.setdefault("stop_ids", () if eos is None else (eos,))
+        new = self.generate_ids([ids], **kwargs)[0]
+        return tok.decode([t for t in new if t != eos])
