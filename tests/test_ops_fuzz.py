@@ -40,6 +40,8 @@ def _check(got, want, dtype):
         tol = TOL[dtype]
         if name == "dalpha" and dtype == torch.float32:      # one sum over every row and column
             tol = dict(rtol=1e-3, atol=1e-3 * max(1.0, b.abs().item()))
+        elif dtype == torch.float32:        # fp32 error scales with the tensor's magnitude, not each (cancelling) entry
+            tol = dict(tol, atol=tol["atol"] * max(1.0, b.abs().max().item()))
         torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name} ({dtype}): {m}")
 
 
@@ -61,8 +63,8 @@ def test_integer_op_fuzz(shape, window, alpha, base, backend, seed, noncontig, s
        reach=st.none() | st.integers(1, 50), dtype=dtypes)
 def test_interpolated_op_fuzz(shape, window, alpha, base, backend, seed, noncontig, reach, dtype):
     fast, exact, dout = _tensors(shape, seed, noncontig, dtype)
-    a = torch.tensor(alpha, dtype=torch.float64, requires_grad=True)
     a_fast = torch.tensor(alpha, dtype=dtype, requires_grad=True)
+    a = a_fast.detach().double().requires_grad_()        # the alpha the fast path sees (fp32 may round it)
     kw = dict(base=base, window=window, reach=reach)
     want = _grads(fibattn.interpolated_sparse_attention(*exact, alpha=a, **kw, backend="reference"), exact + [a], dout)
     got = _grads(fibattn.interpolated_sparse_attention(*fast, alpha=a_fast, **kw, backend=backend), fast + [a_fast],

@@ -1,0 +1,53 @@
+"""``fibattn export --format hf``: plain transformers loads the folder; the drop-in loader restores the
+sparse attention with the FibLM's logits; AutoTokenizer gives fibattn's ids."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import fibattn  # noqa: E402
+from fibattn.cli import main  # noqa: E402
+from fibattn.interop import hf_llama as H  # noqa: E402
+from fibattn.interop.hf_export import _interleaved_to_halves  # noqa: E402
+from fibattn.trainer.trainer import train  # noqa: E402
+from run_helpers import micro_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_data):
+    root = tmp_path_factory.mktemp("hf")
+    cfg = micro_config(root / "run", tiny_data, n_layers=2, steps=3, batch_tokens=64, micro_batch=2,
+                       results_db="off", eval_tokens=64)
+    cfg.model.reach = "train"
+    train(cfg)
+    return root / "run"
+
+
+def test_rope_permutation_keeps_scores():
+    q, k = torch.randn(8, 3), torch.randn(8, 3)            # one head, Dh 8 (rows), 3 inputs
+    wq, wk = _interleaved_to_halves(q, 1, 8), _interleaved_to_halves(k, 1, 8)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close((x @ wq.T) @ (x @ wk.T).T, (x @ q.T) @ (x @ k.T).T)
+
+
+def test_export_hf_round_trip(run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 0
+    assert "hf_llama.from_pretrained" in capsys.readouterr().out
+    fib = fibattn.from_pretrained(run)
+    text = "ROMEO: what light é"
+    x = torch.tensor([fib.tokenizer.encode(text)] * 2)
+    x = torch.cat([x, x], 1)                                          # 2 × 48 tokens: past the window and T
+    sparse = H.from_pretrained(out).eval()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        ref = fib(x)
+        torch.testing.assert_close(sparse(x).logits, ref, atol=1e-5, rtol=1e-5)
+        assert (plain(x).logits - ref).abs().max() > 1e-3           # plain transformers: the same weights, dense
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok(text)["input_ids"] == fib.tokenizer.encode(text) and tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token_id == fib.tokenizer.eos_id
+    capsys.readouterr()
+    assert main(["export", str(run), str(out), "--format", "hf"]) == 2          # not empty: refused
+    assert main(["export", str(run), str(tmp_path / "x"), "--format", "hf", "--force"]) == 2
