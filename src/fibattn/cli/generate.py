@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 
@@ -33,8 +34,20 @@ def configure_parser(parser) -> None:
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
 
+def _check_flags(args) -> None:
+    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    check_int("--top-k", args.top_k, 0)
+    if args.seed is not None:
+        check_int("--seed", args.seed, 0)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (0 < args.top_p <= 1):
+        raise ValueError(f"--top-p must be a number in (0, 1] (1 = off), got {args.top_p}")
+
+
 def run(args, out=None) -> int:
     out = out or sys.stdout
+    _check_flags(args)                     # named as flags here, before the model is loaded
     step = parse_step(args.step)
     device = resolve_device(args.device)
     if args.threads:
