@@ -15,7 +15,8 @@ from ..study.probe import ProbeConfig, preset, run_probe
 
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", default="tiny",
-                        help="tiny (default; also: cpu) minutes on a laptop CPU | paper (also: study) the study's setting")
+                        help="tiny (default; also: cpu): minutes on a laptop CPU | paper (also: study): the study's "
+                             "setting")
     parser.add_argument("--depths", default=None, help="comma-separated depths (default 2,4,8)")
     parser.add_argument("--starts", default=None, help="uniform,staggered (default both)")
     parser.add_argument("--distances", default=None, help="comma-separated distances (default: the preset's)")

@@ -25,7 +25,7 @@ from .shards import ShardError, open_shard, write_shard
 from .tokenizers import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
 __all__ = [
-    "BPETokenizer", "ByteTokenizer", "Loader", "MANIFEST_FILE", "ShardError", "TokenData", "corpus_texts", "data_config",
-    "ensure_prepared", "load_tokenizer", "open_shard", "prepare", "read_corpus", "read_manifest", "train_bpe",
-    "verify_prepared", "write_shard",
+    "BPETokenizer", "ByteTokenizer", "Loader", "MANIFEST_FILE", "ShardError", "TokenData", "corpus_texts",
+    "data_config", "ensure_prepared", "load_tokenizer", "open_shard", "prepare", "read_corpus", "read_manifest",
+    "train_bpe", "verify_prepared", "write_shard",
 ]

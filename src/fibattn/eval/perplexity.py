@@ -54,8 +54,8 @@ from .modes import REACH_MODES, banded_attention, dense_window_mode, reach_mode
 log = logging.getLogger("fibattn")
 
 __all__ = ["REACH_MODES", "EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "count_bytes",
-           "dense_window_mode", "evaluate", "position_buckets", "reach_mode", "scored_budget", "scored_target_positions",
-           "token_nll", "window_plan", "window_starts"]
+           "dense_window_mode", "evaluate", "position_buckets", "reach_mode", "scored_budget",
+           "scored_target_positions", "token_nll", "window_plan", "window_starts"]
 
 WINDOW_MODE = "dense-window"
 _LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
