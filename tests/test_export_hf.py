@@ -51,3 +51,10 @@ def test_export_hf_round_trip(run, tmp_path, capsys):
     capsys.readouterr()
     assert main(["export", str(run), str(out), "--format", "hf"]) == 2          # not empty: refused
     assert main(["export", str(run), str(tmp_path / "x"), "--format", "hf", "--force"]) == 2
+
+
+def test_export_hf_has_a_model_card(run, tmp_path):
+    from fibattn.interop.hf_export import export_hf
+    out = export_hf(run, tmp_path / "hf")
+    card = (out / "README.md").read_text()
+    assert "hf_llama.from_pretrained" in card and "parameters" in card

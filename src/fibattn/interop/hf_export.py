@@ -27,6 +27,7 @@ import torch
 
 from ..config import to_dict
 from ..storage.checkpoint import Checkpoint
+from ..storage.export import run_card
 from ..storage.runs import find_checkpoint, load_run
 
 
@@ -120,6 +121,14 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
         else:
             fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token="<|endoftext|>")
             fast.save_pretrained(out)
-    source = {"run": cfg.name, "step": Checkpoint.open(ckpt).step, "fibattn_model": to_dict(m)}
+    c = Checkpoint.open(ckpt)
+    load = ["from fibattn.interop import hf_llama",
+            "model = hf_llama.from_pretrained(\"PATH\")   # sparse attention from config.fibattn",
+            "# transformers.AutoModelForCausalLM.from_pretrained(\"PATH\") loads the same weights, dense"]
+    files = ("transformers' Llama folder (`fibattn export --format hf`): `config.json` (LlamaConfig with the sparse "
+             "settings in `fibattn`), `model.safetensors`, `tokenizer.json` / `tokenizer_config.json` "
+             "(AutoTokenizer), `fibattn_source.json` (the run, step and fibattn model config).")
+    (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=load, files=files))
+    source = {"run": cfg.name, "step": c.step, "fibattn_model": to_dict(m)}
     (out / "fibattn_source.json").write_text(json.dumps(source, indent=1) + "\n")
     return out

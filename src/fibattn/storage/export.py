@@ -65,6 +65,14 @@ def _eval_doc(run_dir) -> dict | None:
 
 
 # ----------------------------------------------------------------------------- model card
+def run_card(run_dir, model, cfg, checkpoint, **how) -> str:
+    """The model card of ``checkpoint`` of ``run_dir`` (a run or checkpoint folder), with the run's
+    data manifest and ``eval.json`` results when they can be read; ``how``: :func:`model_card`'s
+    ``load`` snippet and ``files`` line for another folder format."""
+    root = Path(run_dir) if not (Path(run_dir) / ck.META).is_file() else checkpoint.path.parent.parent
+    return model_card(model, cfg, checkpoint.step, _data_manifest(cfg), _eval_doc(root), **how)
+
+
 def _architecture_lines(model, m) -> list[str]:
     lines = [f"- parameters: {model.num_params(non_embedding=False):,} "
              f"({model.num_params():,} non-embedding; the output head is tied to the embedding)",
@@ -105,16 +113,19 @@ def _result_lines(doc) -> list[str]:
     return lines
 
 
-def model_card(model, cfg, step: int, manifest, eval_doc) -> str:
+FIBATTN_LOAD = ["import fibattn", "model = fibattn.from_pretrained(\"PATH\")   # model.tokenizer is attached"]
+FIBATTN_FILES = ("`config.json` (model config, versions, sha256 of every file), `model.safetensors` (weights), "
+                 "`tokenizer.json`. No pickle: only JSON and safetensors are read when loading.")
+
+
+def model_card(model, cfg, step: int, manifest, eval_doc, *, load=FIBATTN_LOAD, files=FIBATTN_FILES) -> str:
     parts = [f"# fibattn model: {cfg.name} (step {step})", "",
              "A decoder language model with depth-staggered Fibonacci sparse attention, exported by "
-             f"fibattn {__version__}. Load it with:", "", "```python", "import fibattn",
-             "model = fibattn.from_pretrained(\"PATH\")   # model.tokenizer is attached", "```", "",
+             f"fibattn {__version__}. Load it with:", "", "```python", *load, "```", "",
              "## Architecture", "", *_architecture_lines(model, cfg.model), "",
              "## Data", "", *_data_lines(cfg, manifest), "",
              "## Results", "", *_result_lines(eval_doc), "",
-             "## Files", "", "`config.json` (model config, versions, sha256 of every file), `model.safetensors` "
-             "(weights), `tokenizer.json`. No pickle: only JSON and safetensors are read when loading.", ""]
+             "## Files", "", files, ""]
     return "\n".join(parts)
 
 
@@ -207,8 +218,7 @@ def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
     out = check_creatable(out_dir, "the export folder (OUT)")
     previous = _check_target(out, force)
     model, cfg, tok, c = _read_run(run_dir, step)
-    run_root = Path(run_dir) if not (Path(run_dir) / ck.META).is_file() else c.path.parent.parent
-    card = model_card(model, cfg, c.step, _data_manifest(cfg), _eval_doc(run_root))
+    card = run_card(run_dir, model, cfg, c)
     source = {"run": cfg.name, "step": c.step, "checkpoint_model_sha256": c.meta["files"][ck.MODEL]["sha256"]}
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with naming_os_errors(out, "the export folder (OUT)"):
