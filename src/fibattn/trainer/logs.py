@@ -92,6 +92,21 @@ def _record(line: str):
     return rec
 
 
+def is_metrics_log(path: Path) -> bool:
+    """True when ``path`` looks like a log this module wrote (every line a record that starts with its step)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for i, line in enumerate(fh):
+                head = '{"step": '
+                if line.strip() and not (line.startswith(head) or head.startswith(line)):   # (or a torn prefix)
+                    return False
+                if i >= 100:                        # a sample is enough to tell fibattn's log from a user's file
+                    break
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def metrics_to_keep(path, after_step: int) -> tuple[list[str], str | None]:
     """The lines of ``metrics.jsonl`` at ``path`` to keep when (re)starting at ``after_step``, and the
     torn last line that must be dropped (None when there is none). A malformed line before the last
@@ -121,18 +136,15 @@ def metrics_to_keep(path, after_step: int) -> tuple[list[str], str | None]:
 class MetricSinks:
     """Rank 0's metric outputs: ``metrics.jsonl``, the results DB and optional trackers.
 
-    ``db``: an open :class:`ResultsDB` (checked by the caller) instead of ``db_path``. A
-    database write that fails during training does not stop the JSONL log: the error is kept in
+    A database write that fails during training does not stop the JSONL log: the error is kept in
     :attr:`db_error` (the trainer then stops with a checkpoint) and the database is not used again.
     """
 
     def __init__(self, out_dir: Path, run: str, db_path: Path | None, *, tensorboard: bool = False,
-                 wandb: bool = False, wandb_project: str = "fibattn", config: dict | None = None,
-                 db: ResultsDB | None = None):
+                 wandb: bool = False, wandb_project: str = "fibattn", config: dict | None = None):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.run = run
-        self.db = db if db is not None else (ResultsDB(db_path) if db_path is not None else None)
-        self.db_error: str | None = None
+        self.db, self.db_error = None, None
         self.tb = self.wb = None
         if tensorboard:
             try:
@@ -149,6 +161,8 @@ class MetricSinks:
                                   "[track] extra)") from None
             self.wb = wandb_mod.init(project=wandb_project, name=run, config=config, dir=str(out_dir),
                                      resume="allow", id=wandb_run_id(run))
+        if db_path is not None:              # last: a tracker that fails leaves no database open
+            self.db = ResultsDB(db_path)
 
     def truncate(self, after_step: int) -> None:
         """Drop records past ``after_step`` (a resumed run logs them again) and a torn last line."""

@@ -18,6 +18,7 @@ from .. import config as C
 from .. import validation as V
 from ..config import ConfigError, RunConfig
 from . import distributed as D
+from .logs import is_metrics_log
 
 log = logging.getLogger("fibattn")
 
@@ -30,24 +31,10 @@ def _is_run_config(path: Path) -> bool:
     return isinstance(doc, dict) and all(isinstance(doc.get(k), dict) for k in ("model", "data", "train"))
 
 
-def _is_metrics_log(path: Path) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                head = '{"step": '
-                if line.strip() and not (line.startswith(head) or head.startswith(line)):   # (or a torn prefix)
-                    return False
-                if i >= 100:                        # a sample is enough to tell fibattn's log from a user's file
-                    break
-    except (OSError, ValueError):
-        return False
-    return True
-
-
 def check_not_foreign(out: Path) -> None:
     """A run starting from step 0 writes ``config.json`` and ``metrics.jsonl`` into ``out``: refuse when
     either exists and is not fibattn's (a user's file of that name would be overwritten)."""
-    for name, ours in (("config.json", _is_run_config), ("metrics.jsonl", _is_metrics_log)):
+    for name, ours in (("config.json", _is_run_config), ("metrics.jsonl", is_metrics_log)):
         path = out / name
         if path.exists() and not ours(path):
             raise ConfigError(f"train.out_dir {out} holds {name}, which is not fibattn's (training would overwrite "

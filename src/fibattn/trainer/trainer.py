@@ -208,32 +208,19 @@ class Trainer:
     def run(self, resume: str, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
         self.resume(resume)
-        db = db_path = None
-        if dist.is_main:
+        if dist.is_main:            # the results DB was checked in __init__, before the data was prepared
             warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
             from .logs import metrics_to_keep
             metrics_to_keep(self.out / "metrics.jsonl", self.step)        # a damaged log fails before anything runs
-            db_path = resolve_db_path(self.out, t.results_db)
-            db = check_db_path(db_path) if db_path is not None else None   # so does a corrupted/read-only DB
-            try:
-                prepare_out_dir(self.out)
-            except BaseException:
-                if db is not None:
-                    db.close()
-                raise
+            prepare_out_dir(self.out)
         D.barrier(dist)
         self.wrap()
         sinks = None
         if dist.is_main:
-            try:
-                C.save(self.cfg, self.out / "config.json")
-                sinks = MetricSinks(self.out, run_key(self.out), db_path if db is None else None, db=db,
-                                    tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
-                                    config=C.to_dict(self.cfg))
-            except BaseException:
-                if db is not None:
-                    db.close()
-                raise
+            C.save(self.cfg, self.out / "config.json")
+            sinks = MetricSinks(self.out, run_key(self.out), resolve_db_path(self.out, t.results_db),
+                                tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
+                                config=C.to_dict(self.cfg))
         status = "failed"
         try:
             if sinks is not None:
