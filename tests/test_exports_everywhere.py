@@ -36,6 +36,11 @@ def test_eval_of_an_export_equals_the_runs(run_and_export, tmp_path, capsys):
     assert main(["eval", str(run), "--json", str(tmp_path / "run.json"), *common]) == 0
     assert main(["eval", str(exp), "--data", str(data), "--json", str(tmp_path / "exp.json"), *common]) == 0
     assert eval_rows(tmp_path / "run.json") == eval_rows(tmp_path / "exp.json")
+    # no flags: the export carries the run's eval settings (lengths, tokens), so the defaults agree too
+    bare = ["--db", "off", "--no-plot"]
+    assert main(["eval", str(run), "--json", str(tmp_path / "run2.json"), *bare]) == 0
+    assert main(["eval", str(exp), "--data", str(data), "--json", str(tmp_path / "exp2.json"), *bare]) == 0
+    assert eval_rows(tmp_path / "run2.json") == eval_rows(tmp_path / "exp2.json")
     capsys.readouterr()
     assert main(["eval", str(exp), *common]) == 2                     # an export records no data folder
     assert "--data" in capsys.readouterr().err
@@ -63,3 +68,17 @@ def test_from_pretrained_takes_runs_checkpoints_and_exports(run_and_export):
     assert all(m.tokenizer is not None for m in models)
     with pytest.raises(ExportError, match="fibattn export"):
         load_pretrained(run)
+
+
+def test_an_exports_bad_eval_settings_are_named(run_and_export, tmp_path, capsys):
+    import shutil
+    run, exp, data = run_and_export
+    bad = tmp_path / "exp"
+    shutil.copytree(exp, bad)
+    meta = json.loads((bad / "config.json").read_text())
+    for value in ({"lengths": "32"}, {"lengths": [0]}, ["x"]):
+        meta["eval"] = value
+        (bad / "config.json").write_text(json.dumps(meta))
+        assert main(["eval", str(bad), "--data", str(data), "--db", "off", "--no-plot"]) == 2
+        err = capsys.readouterr().err
+        assert "eval" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -122,13 +122,13 @@ def test_greedy_deterministic_and_seeded_sampling_reproducible():
     a = generate_tokens(model, prompt, seed=11, **kw)
     assert a == generate_tokens(model, prompt, seed=11, **kw)
     assert a != generate_tokens(model, prompt, seed=12, **kw)
-    # the FibLM.generate stream itself: 20 steps, numbered, the last one finished, tokens as above
-    steps = list(model.generate(prompt, seed=11, **kw))
+    # the FibLM.stream steps themselves: 20 steps, numbered, the last one finished, tokens as above
+    steps = list(model.stream(prompt, seed=11, **kw))
     tokens = [int(s.tokens[0]) for s in steps]
     assert tokens == a[0] and len(tokens) == 20 and all(0 <= t < 64 for t in tokens)
     assert [s.index for s in steps] == list(range(20))
     assert [bool(s.finished[0]) for s in steps] == [False] * 19 + [True]
-    assert [int(s.tokens[0]) for s in model.generate(prompt, seed=11, **kw)] == tokens      # same seed, same tokens
+    assert [int(s.tokens[0]) for s in model.stream(prompt, seed=11, **kw)] == tokens      # same seed, same tokens
     with torch.no_grad():
         full = model(torch.tensor([prompt + tokens]))[0]
     replay = torch.Generator().manual_seed(11)
@@ -243,12 +243,21 @@ def test_text_stream_generic_tokenizer_holds_partial_characters():
     assert "".join(pieces) + stream.flush() == text and all("\ufffd" not in p for p in pieces)
 
 
-def test_generate_ids_and_text():
+def test_fiblm_generate_returns_ids_and_text_like_other_libraries():
     model = build(vocab_size=256)
     tok = ByteTokenizer()
-    want = generate_tokens(model, [list(b"Hi ")], max_new_tokens=8, temperature=0, stop_ids=[tok.eos_id])[0]
-    assert model.generate_ids([list(b"Hi ")], max_new_tokens=8, temperature=0, stop_ids=[tok.eos_id])[0] == want
-    text = model.generate_text("Hi ", tokenizer=tok, max_new_tokens=8, temperature=0)
-    assert text == tok.decode([t for t in want if t != tok.eos_id])
+    kw = dict(max_new_tokens=8, temperature=0)
+    want = generate_tokens(model, [list(b"Hi "), list(b"Yo")], stop_ids=[tok.eos_id], **kw)
+    assert model.generate([list(b"Hi "), list(b"Yo")], stop_ids=[tok.eos_id], **kw) == want
+    assert model.generate(list(b"Hi "), stop_ids=[tok.eos_id], **kw) == want[0]           # flat in, flat out
+    assert model.generate(torch.tensor(list(b"Hi ")), stop_ids=[tok.eos_id], **kw) == want[0]
+    assert model.generate(torch.tensor([list(b"Yo")]), stop_ids=[tok.eos_id], **kw) == [want[1]]
+    texts = [tok.decode([t for t in w if t != tok.eos_id]) for w in want]
+    assert model.generate("Hi ", tokenizer=tok, **kw) == texts[0]
+    assert model.generate(["Hi ", "Yo"], tokenizer=tok, **kw) == texts
+    model.tokenizer = tok                                             # what fibattn.from_pretrained attaches
+    assert model.generate("Yo", **kw) == texts[1]
     with pytest.raises(ValueError, match="tokenizer"):
-        build(vocab_size=256).generate_text("Hi ")
+        build(vocab_size=256).generate("Hi ")
+    with pytest.raises(ValueError, match="no tokens"):
+        model.generate("", **kw)

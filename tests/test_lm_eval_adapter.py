@@ -1,5 +1,6 @@
 """lm-evaluation-harness adapter: scores equal the model's own log-probs; generation stops at `until`."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,30 +146,32 @@ def test_harness_model_registered(tmp_path):
     assert lm_run.max_length == 16
 
 
-def test_local_task_runs_offline(tmp_path, monkeypatch):
-    """The documented local YAML task: lm-eval's bits_per_byte equals the model's own rolling log-likelihood."""
+def test_shipped_local_task_runs_offline(tmp_path, monkeypatch):
+    """The local YAML task shipped in examples/lm_eval (docs/ecosystem.md): lm-eval's bits_per_byte equals
+    the model's own rolling log-likelihood over the shipped documents."""
     pytest.importorskip("lm_eval")
     import math
+    import yaml
     import lm_eval
     from lm_eval.tasks import TaskManager
     import fibattn.interop.lm_eval_adapter  # noqa: F401  (registers "fibattn")
     from fibattn.storage.export import export_run
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    root = Path(__file__).resolve().parents[1]
+    shipped = yaml.safe_load((root / "examples" / "lm_eval" / "shakespeare_tail.yaml").read_text())
+    data = root / shipped["dataset_kwargs"]["data_files"]["test"]            # relative to the repository root
+    docs = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    assert len(docs) >= 5 and all(docs)
+    # the same task, with the data path made absolute and the datasets cache kept in tmp_path
+    shipped["dataset_kwargs"] = {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "cache")}
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "task.yaml").write_text(yaml.safe_dump(shipped))
     run, model = _run_folder(tmp_path / "run")
     out = export_run(run, tmp_path / "exp")
-    docs = [TEXT, TEXT.upper()[:50]]
-    (tmp_path / "tasks").mkdir()
-    data = tmp_path / "tasks" / "mytext.jsonl"
-    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    (tmp_path / "tasks" / "mytext.yaml").write_text(
-        f"task: mytext_fibattn_test\ndataset_path: json\ndataset_kwargs:\n  cache_dir: {tmp_path / 'cache'}\n"
-        f"  data_files:\n    test: {data}\ntest_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\n"
-        "doc_to_target: \"{{text}}\"\nmetric_list:\n  - metric: bits_per_byte\n")
-    res = lm_eval.simple_evaluate(model="fibattn", model_args=f"path={out},max_length=16",
-                                  tasks=["mytext_fibattn_test"], device="cpu",
-                                  task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
-    bpb = res["results"]["mytext_fibattn_test"]["bits_per_byte,none"]
-    ref = FibScorer(model, ByteTokenizer(), 16)
+    res = lm_eval.simple_evaluate(model="fibattn", model_args=f"path={out},max_length=64", tasks=[shipped["task"]],
+                                  device="cpu", task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
+    bpb = res["results"][shipped["task"]]["bits_per_byte,none"]
+    ref = FibScorer(model, ByteTokenizer(), 64)
     nll = -sum(ref.loglikelihood_rolling(d) for d in docs)
     assert bpb == pytest.approx(nll / sum(len(d.encode()) for d in docs) / math.log(2), rel=1e-5)

@@ -73,3 +73,29 @@ def test_two_processes_stop_and_resume(setup, tmp_path):
     assert "stopped: step 2" in torchrun(cfg_path, out, "--stop-at", "2")
     assert "finished: step 4" in torchrun(cfg_path, out)
     check_matches(root, out, single)
+
+
+@pytest.mark.parametrize("name", ["tiny", "paper"])
+def test_presets_batch_settings_run_under_two_processes(name, tiny_data, tmp_path):
+    """Each preset's batch (global tokens, micro-batch, sequence length) as written, under torchrun with
+    2 processes: the micro-batch adapts and the split is logged; only the model is shrunk."""
+    from fibattn.presets import PRESETS
+    cfg = PRESETS[name]()
+    m, t = cfg.model, cfg.train
+    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.vocab_size, m.backend = 32, 1, 2, 1, 256, "torch"
+    cfg.data = tiny().data
+    cfg.data.out_dir = str(tiny_data)
+    t.steps, t.eval_tokens, t.ckpt_every, t.log_every, t.warmup_steps, t.threads = 1, m.seq_len, 100, 1, 1, 1
+    t.results_db, t.precision, t.device = "off", "fp32", "cpu"
+    cfg_path = tmp_path / "cfg.json"
+    C.save(cfg, cfg_path)
+    per_rank = t.batch_tokens // (m.seq_len * 2)
+    micro = min(t.micro_batch, per_rank)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "fibattn.cli", "train", "--config", str(cfg_path), "--out", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "finished: step 1" in proc.stdout
+    split = (f"batch {t.batch_tokens} tokens = 2 process(es) x {per_rank // micro} micro-batch(es) x {micro} "
+             f"sequences x {m.seq_len} tokens")
+    assert split in proc.stdout + proc.stderr

@@ -214,11 +214,13 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
 
 
 def _load_export(folder: Path, step, data):
-    """``(model, cfg, tokenizer, step, folder)`` of an export folder. An export records the model, not the
-    data or the run's settings: ``--data`` is required, lengths default to 1× and 4× the training length,
-    and no results database is written unless ``--db`` names one."""
-    from ..config import RunConfig
-    from ..storage.pretrained import load_pretrained
+    """``(model, cfg, tokenizer, step, folder)`` of an export folder. An export records the model and the
+    run's evaluation settings, not its data: ``--data`` is required; lengths, tokens and batch size default
+    to the run's (exports written before they were recorded: 1× and 4× the training length), and no
+    results database is written unless ``--db`` names one."""
+    from ..config import ConfigError, RunConfig, from_dict
+    from ..storage.pretrained import ExportError, load_pretrained
+    from ..validation import validate_eval
     if step != "latest":
         raise ValueError(f"{folder} is an export folder (one fixed step); --step must be 'latest', got {step!r}")
     if data is None:
@@ -226,7 +228,15 @@ def _load_export(folder: Path, step, data):
                          f"`fibattn prepare` with the export's tokenizer)")
     bundle = load_pretrained(folder)
     cfg = RunConfig(name=folder.name, model=bundle.model_config)
-    cfg.eval.lengths = [bundle.model_config.seq_len, 4 * bundle.model_config.seq_len]
+    saved = bundle.meta.get("eval")
+    if saved is None:
+        cfg.eval.lengths = [bundle.model_config.seq_len, 4 * bundle.model_config.seq_len]
+    else:
+        try:
+            cfg.eval = from_dict({"eval": dict(saved)}).eval
+            validate_eval(cfg.eval)
+        except (ConfigError, TypeError, ValueError) as exc:
+            raise ExportError(f"{folder}: config.json field 'eval' is not a valid fibattn eval config ({exc})") from None
     cfg.train.results_db, cfg.train.device = "off", "auto"
     source_step = (bundle.meta.get("source") or {}).get("step")
     return bundle.model, cfg, bundle.tokenizer, source_step, folder

@@ -133,29 +133,41 @@ class FibLM(nn.Module):
         """Attended distances per layer at ``seq_len`` (dense: ``0..seq_len-1``)."""
         return [layer.distances(seq_len) for layer in self.layers()]
 
-    def generate(self, prompt_ids, **kwargs):
-        """Stream new tokens with constant-memory sparse KV caches: one step object (tokens, logits) per
-        step; see :func:`fibattn.generation.decode.generate`. For ids or text use :meth:`generate_ids` /
-        :meth:`generate_text`."""
+    def stream(self, prompt_ids, **kwargs):
+        """Stream new tokens with constant-memory sparse KV caches: one step object (tokens, logits, finished)
+        per step; arguments as :func:`fibattn.generation.decode.generate`."""
         from ..generation.decode import generate
         return generate(self, prompt_ids, **kwargs)
 
-    def generate_ids(self, prompt_ids, **kwargs) -> list[list[int]]:
-        """The new token ids of every prompt row (a stop token included); ``kwargs`` as :meth:`generate`."""
-        from ..generation.decode import generate_tokens
-        return generate_tokens(self, prompt_ids, **kwargs)
+    def generate(self, prompt, *, tokenizer=None, **kwargs):
+        """New tokens after ``prompt``, like other libraries' ``generate``.
 
-    def generate_text(self, prompt: str, *, tokenizer=None, **kwargs) -> str:
-        """The continuation of ``prompt`` as text, stopping at the end-of-document token. ``tokenizer``
-        defaults to the one :func:`fibattn.from_pretrained` attached; ``kwargs`` as :meth:`generate`."""
+        ``prompt`` as token ids (a list, a list of lists or a tensor) gives the new ids of every row, a
+        stop token included (a flat list or 1-D tensor gives one list); as text (a string or a list of
+        strings) it gives the continuation as text, stopping at the end-of-document token, with
+        ``tokenizer`` (default: the one :func:`fibattn.from_pretrained` attached). ``kwargs`` are
+        :func:`fibattn.generation.decode.generate`'s (``max_new_tokens``, ``temperature``, ``top_k``,
+        ``top_p``, ``seed``, ``stop_ids``, ``context``); :meth:`stream` yields the steps as they come.
+        """
+        from ..generation.decode import generate_tokens
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if isinstance(texts, (list, tuple)) and texts and all(isinstance(t, str) for t in texts):
+            new = self._generate_text(list(texts), tokenizer, kwargs)
+            return new[0] if isinstance(prompt, str) else new
+        flat = (isinstance(prompt, torch.Tensor) and prompt.dim() == 1) or \
+            (isinstance(prompt, (list, tuple)) and bool(prompt) and not isinstance(prompt[0], (list, tuple, str)))
+        new = generate_tokens(self, prompt, **kwargs)
+        return new[0] if flat else new
+
+    def _generate_text(self, prompts: list[str], tokenizer, kwargs) -> list[str]:
+        from ..generation.decode import generate_tokens
         tok = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
         if tok is None:
-            raise ValueError("generate_text needs a tokenizer: load the model with fibattn.from_pretrained or pass "
+            raise ValueError("generate(text) needs a tokenizer: load the model with fibattn.from_pretrained or pass "
                              "tokenizer=")
-        ids = tok.encode(prompt)
-        if not ids:
+        rows = [tok.encode(p) for p in prompts]
+        if not all(rows):
             raise ValueError("prompt encodes to no tokens; give a non-empty prompt")
         eos = getattr(tok, "eos_id", None)
         kwargs.setdefault("stop_ids", () if eos is None else (eos,))
-        new = self.generate_ids([ids], **kwargs)[0]
-        return tok.decode([t for t in new if t != eos])
+        return [tok.decode([t for t in new if t != eos]) for new in generate_tokens(self, rows, **kwargs)]

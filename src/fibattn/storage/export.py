@@ -176,6 +176,7 @@ def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: s
     from ..config import to_dict
     meta = {"fibattn_format": hub.FORMAT, "fibattn_version": __version__, "model_type": "fibattn",
             "model": to_dict(cfg.model), "tokenizer": hub.TOKENIZER if tok is not None else None,
+            "eval": to_dict(cfg.eval),            # so `fibattn eval EXPORT` scores what `fibattn eval RUN` does
             "alphas": model.alphas(), "num_params": model.num_params(non_embedding=False),
             "source": source, "files": files}
     atomic_write_text(stage / hub.CONFIG, json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -102,6 +102,8 @@ def accum_steps(cfg: RunConfig, world: int) -> int:
         log.info("fibattn: train.micro_batch %d -> %d: train.batch_tokens %d over %d process(es) is %d sequences "
                  "each", t.micro_batch, micro, t.batch_tokens, world, per_rank)
         t.micro_batch = micro
+    log.info("fibattn: batch %d tokens = %d process(es) x %d micro-batch(es) x %d sequences x %d tokens",
+             t.batch_tokens, world, per_rank // micro, micro, T)
     return per_rank // micro
 
 
