@@ -1,5 +1,6 @@
-"""``fibattn export --format hf``: plain transformers loads the folder; the drop-in loader restores the
-sparse attention with the FibLM's logits; AutoTokenizer gives fibattn's ids."""
+"""``fibattn export --format hf``: the drop-in loader restores the sparse attention with the FibLM's logits;
+plain transformers refuses the folder without trust_remote_code; AutoTokenizer gives fibattn's ids. (The
+remote code itself: test_export_hf_remote.py.)"""
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ pytest.importorskip("tokenizers")
 import fibattn  # noqa: E402
 from fibattn.cli import main  # noqa: E402
 from fibattn.interop import hf_llama as H  # noqa: E402
-from fibattn.interop.hf_export import _interleaved_to_halves  # noqa: E402
+from fibattn.model.rope import interleaved_to_halves as _interleaved_to_halves  # noqa: E402
 from fibattn.trainer.trainer import train  # noqa: E402
 from run_helpers import micro_config  # noqa: E402
 
@@ -31,7 +32,8 @@ def test_rope_permutation_keeps_scores():
     torch.testing.assert_close((x @ wq.T) @ (x @ wk.T).T, (x @ q.T) @ (x @ k.T).T)
 
 
-def test_export_hf_round_trip(run, tmp_path, capsys):
+def test_export_hf_round_trip(run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(transformers.dynamic_module_utils, "TIME_OUT_REMOTE_CODE", 0)   # refuse, never prompt
     out = tmp_path / "hf"
     assert main(["export", str(run), str(out), "--format", "hf"]) == 0
     assert "hf_llama.from_pretrained" in capsys.readouterr().out
@@ -40,12 +42,11 @@ def test_export_hf_round_trip(run, tmp_path, capsys):
     x = torch.tensor([fib.tokenizer.encode(text)] * 2)
     x = torch.cat([x, x], 1)                                          # 2 × 48 tokens: past the window and T
     sparse = H.from_pretrained(out).eval()
-    plain = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
-        ref = fib(x)
-        torch.testing.assert_close(sparse(x).logits, ref, atol=1e-5, rtol=1e-5)
-        assert (plain(x).logits - ref).abs().max() > 1e-3           # plain transformers: the same weights, dense
-    tok = transformers.AutoTokenizer.from_pretrained(out)
+        torch.testing.assert_close(sparse(x).logits, fib(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="trust_remote_code"):     # never a silent dense model
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)     # refused remote config: the tokenizer still loads
     assert tok(text)["input_ids"] == fib.tokenizer.encode(text) and tok.decode(tok(text)["input_ids"]) == text
     assert tok.eos_token_id == fib.tokenizer.eos_id
     capsys.readouterr()

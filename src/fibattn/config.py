@@ -49,6 +49,8 @@ class ModelConfig:
     reach: str = "study"           # study (rebuild distances at eval length) | train (cap at seq_len)
     backend: str = "auto"          # attention backend
     init_std: float = 0.02
+    ffn_dim: int = 0               # SwiGLU hidden size; 0: 2 * round(d_model * 8 / 3 / 2)
+    tie_embeddings: bool = True    # the output head is the token embedding (False: a head of its own)
 
     @property
     def head_dim(self) -> int:
@@ -56,7 +58,7 @@ class ModelConfig:
 
     @property
     def ffn_hidden(self) -> int:
-        return 2 * round(self.d_model * 8 / 3 / 2)
+        return self.ffn_dim or 2 * round(self.d_model * 8 / 3 / 2)
 
 
 @dataclass
@@ -110,6 +112,8 @@ class TrainConfig:
     wandb: bool = False
     wandb_project: str = "fibattn"
     results_db: str = ""           # SQLite results DB: "" = <parent of out_dir>/results.sqlite, "off" = none
+    init_from: str = ""            # start from trained weights: a run (RUN@STEP), checkpoint, export or Llama folder
+    init_source: dict = field(default_factory=dict)   # recorded at the start: path, kind, step, sha256 of init_from
 
 
 @dataclass
@@ -160,6 +164,16 @@ def _build(cls, data: dict, where: str):
         else:
             kwargs[name] = value
     return cls(**kwargs)
+
+
+def with_defaults(doc: dict) -> dict:
+    """A saved config document with the keys added since it was written set to their defaults, so that a
+    run made by an older fibattn compares equal to the same settings today."""
+    out = dict(doc)
+    for section, defaults in to_dict(RunConfig()).items():
+        if isinstance(defaults, dict) and isinstance(doc.get(section), dict):
+            out[section] = {**{k: v for k, v in defaults.items() if k not in doc[section]}, **doc[section]}
+    return out
 
 
 def from_dict(data: dict) -> RunConfig:

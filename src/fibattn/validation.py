@@ -73,12 +73,13 @@ MAX_BASE_K = 90                    # fib_base(90)[-1] ~ 4.7e18: larger rungs ove
 
 
 def estimate_params(m: ModelConfig) -> int:
-    """Parameters of a FibLM with config ``m`` (tied embeddings; the learned alphas included)."""
+    """Parameters of a FibLM with config ``m`` (the learned alphas and an untied head included)."""
     hd = m.d_model // m.n_heads
     attn = m.d_model * (m.n_heads + 2 * m.n_kv_heads) * hd + m.n_heads * hd * m.d_model
     block = attn + 3 * m.d_model * m.ffn_hidden + 2 * m.d_model
     learned = m.n_layers if m.attention == "sparse" and m.schedule == "learned" else 0
-    return m.vocab_size * m.d_model + m.n_layers * block + m.d_model + learned
+    head = 0 if m.tie_embeddings else m.vocab_size * m.d_model
+    return m.vocab_size * m.d_model + head + m.n_layers * block + m.d_model + learned
 
 
 def _gb(n: float) -> str:
@@ -117,6 +118,7 @@ def validate_model(m: ModelConfig) -> None:
     _int_at_least(m, s, "vocab_size", 1, 1 << 32)             # shards hold uint32 ids at most
     _int_at_least(m, s, "base_k", 1, MAX_BASE_K)
     _int_at_least(m, s, "window", 0, m.max_seq_len)
+    _int_at_least(m, s, "ffn_dim", 0)
     _need(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     _need(m.head_dim % 2 == 0, f"model.d_model / model.n_heads must be even for RoPE, got {m.head_dim}")
     _need(m.n_heads % m.n_kv_heads == 0,

@@ -1,2 +1,2 @@
-"""Benchmarks run by ``fibattn bench attention|train|generate``: side-by-side speed ratios
-(never timed tests). Each suite module has its own ``configure_parser`` and ``run``."""
+"""Benchmarks run by ``fibattn bench attention|train|generate|hf-cache``: side-by-side speed ratios
+(never timed tests) and cache sizes. Each suite module has its own ``configure_parser`` and ``run``."""

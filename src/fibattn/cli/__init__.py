@@ -28,7 +28,7 @@ COMMANDS = {
     "report": (report, "tables and plots for a grid"),
     "generate": (generate, "stream tokens from a trained model"),
     "export": (export, "write a portable model folder"),
-    "bench": (bench, "benchmarks: attention, train, generate"),
+    "bench": (bench, "benchmarks: attention, train, generate, hf-cache"),
     "config": (show_config, "every --set key with its value, for a preset or a saved config"),
 }
 

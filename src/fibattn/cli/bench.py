@@ -1,9 +1,10 @@
-"""``fibattn bench attention|train|generate``: side-by-side speed ratios (see :mod:`fibattn.bench`)."""
+"""``fibattn bench attention|train|generate|hf-cache``: side-by-side speed ratios and cache sizes (see
+:mod:`fibattn.bench`)."""
 from __future__ import annotations
 
-from ..bench import attention, generate, train
+from ..bench import attention, generate, hf_cache, train
 
-SUITES = {"attention": attention, "train": train, "generate": generate}
+SUITES = {"attention": attention, "train": train, "generate": generate, "hf-cache": hf_cache}
 
 
 def configure_parser(parser) -> None:

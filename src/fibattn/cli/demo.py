@@ -5,7 +5,7 @@ import os
 
 from ..files import check_creatable
 from ..study import report as Rp
-from ..study.demo import NOTE, forget_runs, headline_lines
+from ..study.demo import NOTE, RETROFIT_NOTE, forget_runs, headline_lines, retrofit_lines
 from ..study.grid import build_grid
 from ..study.runner import run_grid
 
@@ -15,6 +15,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("--only", default=None, metavar="PATTERNS",
                         help="comma-separated run names or patterns, e.g. dense,fib_stagger")
     parser.add_argument("--fresh", action="store_true", help="delete earlier demo runs under --root first")
+    parser.add_argument("--retrofit", action="store_true",
+                        help="the retrofit demo: fine-tune the dense demo run to sparse schedules for 5-40 %% of its "
+                             "steps, next to the from-scratch runs (reuses the demo's runs under --root)")
     parser.add_argument("--device", default="cpu", help="cpu (default) | auto | cuda | cuda:N")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra override for every run (experiments; changes the run identity)")
@@ -35,9 +38,9 @@ def cpu_workers(jobs: int, device: str) -> list[str] | None:
 
 def run(args) -> int:
     sets = list(args.set) + [f"train.device={args.device}"]
-    grid = build_grid("demo", only=args.only, sets=sets)
+    grid = build_grid("retrofit" if args.retrofit else "demo", only=args.only, sets=sets)
     root = check_creatable(args.root, "--root")
-    cfg = grid.config(grid.runs[0], root)
+    cfg = grid.config(next((r for r in grid.runs if not r.init_from), grid.runs[0]), root)   # a from-scratch run
     T, lengths = cfg.model.seq_len, list(cfg.eval.lengths)
     print(f"fibattn demo: {len(grid.runs)} runs ({', '.join(grid.names())}) under {root}\n"
           f"  {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, trained at {T} tokens for "
@@ -54,15 +57,18 @@ def run(args) -> int:
     summary = run_grid(grid, root, devices=workers)
     files = Rp.build_report(grid, root)
     print()
+    shown = ("Retrofit",) if args.retrofit else ("Perplexity at", "Length extrapolation")
     for table in files.tables:
-        if table.title.startswith(("Perplexity at", "Length extrapolation")):
+        if table.title.startswith(shown):
             print(table.markdown(), end="\n\n")
-    if files.checks and files.factor:
+    if args.retrofit:
+        print("\n".join(retrofit_lines(files)))
+    elif files.checks and files.factor:
         print("\n".join(headline_lines(files.checks, files.datasets[0], files.factor, T)))
     else:
         print("Headline check: not available (no run evaluated at 2× or more of the training length)")
     print()
-    print(NOTE.format(T=T, L=max(lengths), steps=cfg.train.steps))
+    print((RETROFIT_NOTE if args.retrofit else NOTE).format(T=T, L=max(lengths), steps=cfg.train.steps))
     print()
     print(f"report: {files.markdown}\n        {files.html}")
     for p in files.images:

@@ -11,8 +11,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("out_dir", metavar="OUT", help="the folder to write (must be new or empty)")
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
     parser.add_argument("--format", default="fibattn", choices=("fibattn", "hf"),
-                        help="fibattn (default): fibattn's verified folder; hf: a transformers Llama folder "
-                             "(load with fibattn.interop.hf_llama.from_pretrained to keep the sparse attention)")
+                        help="fibattn (default): fibattn's verified folder; hf: a transformers folder (a sparse "
+                             "model as remote code: trust_remote_code=True, or fibattn.interop.hf_llama."
+                             "from_pretrained for fibattn's op; a dense model as a plain Llama)")
     parser.add_argument("--force", action="store_true",
                         help="replace an earlier export in OUT: only the files its config.json lists are replaced "
                              "or removed; anything else in OUT is kept")
@@ -29,8 +30,11 @@ def run(args) -> int:
         except ImportError as exc:
             from ..config import ConfigError
             raise ConfigError(str(exc)) from None
-        print(f"fibattn export: wrote {out} (transformers Llama; sparse attention in config.fibattn: load it with "
-              f"fibattn.interop.hf_llama.from_pretrained)")
+        if (out / "modeling_fibattn_llama.py").is_file():
+            print(f"fibattn export: wrote {out} (transformers remote code: AutoModelForCausalLM.from_pretrained(OUT, "
+                  f"trust_remote_code=True), or fibattn.interop.hf_llama.from_pretrained(OUT) for fibattn's op)")
+        else:
+            print(f"fibattn export: wrote {out} (a dense model: a plain transformers Llama)")
         return 0
     out = export_run(args.run_dir, args.out_dir, step=parse_step(args.step), force=args.force)
     meta = hub.read_meta(out)

@@ -1,14 +1,18 @@
 """``fibattn train``: train a model from a preset (or a saved config) plus ``--set`` overrides."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
 from ..data.manifest import data_config
+from ..trainer.init_recipe import apply_recipe
 from ..trainer.trainer import TrainingAborted, train
 from ..validation import validate
+
+log = logging.getLogger("fibattn")
 
 
 def build_config(args) -> RunConfig:
@@ -29,7 +33,14 @@ def build_config(args) -> RunConfig:
         cfg.data, manifest = data_config(args.data)
         if "model.vocab_size" not in keys:
             cfg.model.vocab_size = manifest["vocab_size"]
+    if args.init_from:
+        init_architecture(cfg, args.init_from, keys)
     C.apply_overrides(cfg, sets)
+    if args.init_from or "train.init_from" in keys:  # named here: the fine-tuning recipe, where --set left it open
+        done = apply_recipe(cfg, set(keys))          # (a --config that already names a source is taken as it is)
+        if done:
+            log.info("fibattn: fine-tuning from %s: %s (docs/retrofit.md; --set overrides)", cfg.train.init_from,
+                     ", ".join(done))
     if isinstance(cfg.data.out_dir, str) and cfg.data.out_dir.strip():
         cfg.data.out_dir = str(Path(cfg.data.out_dir).expanduser().absolute())   # eval works from any directory
     if args.out:
@@ -39,6 +50,17 @@ def build_config(args) -> RunConfig:
     return validate(cfg)
 
 
+def init_architecture(cfg: RunConfig, spec: str, keys: list[str]) -> None:
+    """``--init-from``: the source's architecture for every model.* field that fixes the parameters and is
+    not given with --set."""
+    from ..storage.init_source import absolute_spec, open_source
+    source = open_source(spec, weights=False)
+    for key, value in source.architecture.items():
+        if f"model.{key}" not in keys:
+            setattr(cfg.model, key, value)
+    cfg.train.init_from = absolute_spec(spec)
+
+
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", choices=None, default=None, help="paper | tiny (default tiny)")
     parser.add_argument("--config", default=None, metavar="FILE.json", help="a full config (e.g. a run's config.json)")
@@ -46,6 +68,10 @@ def configure_parser(parser) -> None:
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="a folder from `fibattn prepare` (e.g. --files): its sources, tokenizer and vocabulary")
     parser.add_argument("--out", default=None, metavar="DIR", help="output folder (train.out_dir); names the run")
+    parser.add_argument("--init-from", default=None, metavar="SOURCE",
+                        help="start from trained weights (a run, RUN@STEP, a checkpoint, an export or a transformers "
+                             "Llama folder): its architecture and the fine-tuning recipe are the defaults (see "
+                             "docs/retrofit.md); --set overrides either")
     parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                         help="auto: continue from the newest verified checkpoint (default)")
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",

@@ -166,7 +166,7 @@ def token_nll(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-token NLL ``(B, L)`` in float32; a FibLM's head runs in chunks to bound logits memory."""
     if hasattr(model, "hidden") and hasattr(model, "embed"):
         h = model.hidden(x)
-        weight = model.embed.weight
+        weight = getattr(model, "output_weight", model.embed.weight)
         chunk = max(1, _LOGIT_ELEMS // max(1, x.shape[0] * weight.shape[0]))
         parts = []
         for c in range(0, x.shape[1], chunk):

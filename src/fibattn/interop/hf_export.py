@@ -1,6 +1,6 @@
 """``fibattn export --format hf``: a Hugging Face ``transformers`` Llama folder of a fibattn model.
 
-A FibLM is a Llama-architecture decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention, tied
+A FibLM is a Llama-architecture decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention, tied or untied
 embeddings), so its weights load into ``LlamaForCausalLM`` with three changes:
 
 - names: ``embed`` -> ``model.embed_tokens``, ``blocks.i.attn`` -> ``model.layers.i.self_attn``,
@@ -8,9 +8,13 @@ embeddings), so its weights load into ``LlamaForCausalLM`` with three changes:
 - RoPE: fibattn rotates interleaved pairs ``(2j, 2j+1)``, transformers rotates halves
   ``(j, j + Dh/2)``; permuting the rows of every q and k head from ``[0, 2, 4, ..., 1, 3, 5, ...]``
   gives the same scores (``q·k`` is unchanged when both are permuted alike);
-- the sparse attention: the settings go to ``config.fibattn`` (:mod:`fibattn.interop.hf_llama`),
-  so ``hf_llama.from_pretrained(OUT)`` (or ``attn_implementation="fibattn"``) rebuilds it. Plain
-  ``AutoModelForCausalLM.from_pretrained(OUT)`` loads the same weights with dense attention.
+- the sparse attention: the settings go to ``config.fibattn`` (:mod:`fibattn.interop.hf_llama`), and
+  the folder becomes transformers remote code: ``config.json`` names its own model type
+  (``fibattn_llama``) and, through ``auto_map``, the two files of :mod:`fibattn.interop.hf_remote`,
+  copied verbatim. ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads it
+  without fibattn (the pattern as a boolean mask); without ``trust_remote_code`` transformers
+  refuses the folder rather than load it dense. ``hf_llama.from_pretrained(OUT)`` loads it onto
+  fibattn's op. A dense model is a plain Llama folder.
 
 The tokenizer is written as a ``tokenizers`` file ``AutoTokenizer`` reads: the byte tokenizer as a
 byte-level model whose ids are the byte values, a BPE tokenizer as it is. (One difference: the
@@ -21,14 +25,40 @@ distances, which the drop-in does not.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from ..config import to_dict
+from ..model.rope import interleaved_to_halves
 from ..storage.checkpoint import Checkpoint
 from ..storage.export import run_card
 from ..storage.runs import find_checkpoint, load_run
+
+
+REMOTE_DIR = Path(__file__).with_name("hf_remote")
+REMOTE_FILES = ("configuration_fibattn_llama", "modeling_fibattn_llama")
+REMOTE_TYPE = "fibattn_llama"
+SPARSE_LOAD = [
+    "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    "model = AutoModelForCausalLM.from_pretrained(\"PATH\", trust_remote_code=True)   # torch + transformers only",
+    "tokenizer = AutoTokenizer.from_pretrained(\"PATH\", trust_remote_code=True)",
+    "# the sparse attention is modeling_fibattn_llama.py (here); without trust_remote_code=True transformers refuses",
+    "# the folder (model type fibattn_llama) rather than load it dense. With fibattn installed, unpadded forwards run",
+    "# on its fast op; or load the weights into transformers' own Llama on that op, without remote code:",
+    "# from fibattn.interop import hf_llama; model = hf_llama.from_pretrained(\"PATH\")"]
+DENSE_LOAD = [
+    "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    "model = AutoModelForCausalLM.from_pretrained(\"PATH\")   # a plain Llama: this model's attention is dense",
+    "tokenizer = AutoTokenizer.from_pretrained(\"PATH\")"]
+_COMMON_FILES = ("`model.safetensors`, `tokenizer.json` / `tokenizer_config.json` (AutoTokenizer), "
+                 "`fibattn_source.json` (the run, step and fibattn model config).")
+SPARSE_FILES = ("transformers remote code (`fibattn export --format hf`): `config.json` (model type `fibattn_llama`, a "
+                "LlamaConfig with the sparse settings in `fibattn`, `auto_map` naming the next two files), "
+                "`configuration_fibattn_llama.py` and `modeling_fibattn_llama.py` (a LlamaForCausalLM whose attention "
+                "sees each layer's attended distances), " + _COMMON_FILES)
+DENSE_FILES = "transformers' Llama folder (`fibattn export --format hf`): `config.json` (LlamaConfig), " + _COMMON_FILES
 
 
 def _require():
@@ -39,23 +69,18 @@ def _require():
     return transformers
 
 
-def _interleaved_to_halves(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
-    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
-    return w.view(heads, head_dim, -1)[:, order].reshape(heads * head_dim, -1)
-
-
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
     """A FibLM's weights under ``LlamaForCausalLM`` names, q/k rows in transformers' RoPE order."""
     m = model.cfg
     out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
-           "lm_head.weight": model.embed.weight}
+           "lm_head.weight": model.output_weight}
     for i, block in enumerate(model.blocks):
         p, a = f"model.layers.{i}.", block.attn
         out.update({
             p + "input_layernorm.weight": block.attn_norm.weight,
             p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-            p + "self_attn.q_proj.weight": _interleaved_to_halves(a.q_proj.weight, m.n_heads, m.head_dim),
-            p + "self_attn.k_proj.weight": _interleaved_to_halves(a.k_proj.weight, m.n_kv_heads, m.head_dim),
+            p + "self_attn.q_proj.weight": interleaved_to_halves(a.q_proj.weight, m.n_heads, m.head_dim),
+            p + "self_attn.k_proj.weight": interleaved_to_halves(a.k_proj.weight, m.n_kv_heads, m.head_dim),
             p + "self_attn.v_proj.weight": a.v_proj.weight,
             p + "self_attn.o_proj.weight": a.o_proj.weight,
             p + "mlp.gate_proj.weight": block.ffn.gate.weight,
@@ -90,7 +115,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def export_hf(run_dir, out_dir, *, step="latest") -> Path:
-    """Write ``out_dir`` as a transformers Llama folder with fibattn's settings in ``config.fibattn``."""
+    """Write ``out_dir`` as a transformers folder: remote code for a sparse model (settings in
+    ``config.fibattn``), a plain Llama for a dense one."""
     transformers = _require()
     from ..files import check_creatable
     from .hf_llama import apply_fibattn
@@ -107,14 +133,17 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     hf_cfg = transformers.LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden, num_hidden_layers=m.n_layers,
         num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
-        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=True, attention_bias=False,
+        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, attention_bias=False,
         mlp_bias=False, attention_dropout=0.0, eos_token_id=getattr(tokenizer, "eos_id", None))
     llama = transformers.LlamaForCausalLM(hf_cfg)
     llama.load_state_dict(llama_state_dict(model), strict=True)
-    if m.attention == "sparse":
+    sparse = m.attention == "sparse"
+    if sparse:
         apply_fibattn(llama, window=m.window, base=config_base(m), schedule="custom", alphas=model.alphas(),
                       reach_len=m.seq_len if m.reach == "train" else None)
     llama.save_pretrained(out)
+    if sparse:
+        _as_remote_code(out)
     if tokenizer is not None:
         if type(tokenizer).__name__ == "ByteTokenizer":
             _byte_tokenizer_fast(transformers).save_pretrained(out)
@@ -122,13 +151,20 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
             fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token="<|endoftext|>")
             fast.save_pretrained(out)
     c = Checkpoint.open(ckpt)
-    load = ["from fibattn.interop import hf_llama",
-            "model = hf_llama.from_pretrained(\"PATH\")   # sparse attention from config.fibattn",
-            "# transformers.AutoModelForCausalLM.from_pretrained(\"PATH\") loads the same weights, dense"]
-    files = ("transformers' Llama folder (`fibattn export --format hf`): `config.json` (LlamaConfig with the sparse "
-             "settings in `fibattn`), `model.safetensors`, `tokenizer.json` / `tokenizer_config.json` "
-             "(AutoTokenizer), `fibattn_source.json` (the run, step and fibattn model config).")
-    (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=load, files=files))
+    (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
+                                            files=SPARSE_FILES if sparse else DENSE_FILES))
     source = {"run": cfg.name, "step": c.step, "fibattn_model": to_dict(m)}
     (out / "fibattn_source.json").write_text(json.dumps(source, indent=1) + "\n")
     return out
+
+
+def _as_remote_code(out: Path) -> None:
+    """Give the saved sparse model its own model type and the remote-code files that implement it."""
+    for name in REMOTE_FILES:
+        shutil.copyfile(REMOTE_DIR / f"{name}.py", out / f"{name}.py")
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config.update(model_type=REMOTE_TYPE, architectures=["FibattnLlamaForCausalLM"], auto_map={
+        "AutoConfig": "configuration_fibattn_llama.FibattnLlamaConfig",
+        "AutoModelForCausalLM": "modeling_fibattn_llama.FibattnLlamaForCausalLM"})
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

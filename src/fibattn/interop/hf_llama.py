@@ -18,13 +18,19 @@ Layout, as transformers passes it: query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv
 (RoPE already applied); the function returns ``(B, Tq, H, Dh)`` and no weights.
 
 Semantics: the query at position ``i`` attends keys ``i - d`` for ``d`` in the layer's
-``attended_distances(window, alpha, base, Tk, reach=reach_len)``. Without a cache or padding
-(``Tq == Tk``) this is :func:`fibattn.sparse_attention` (O(T·|D|)). With a cache
-(``Tq < Tk``, generation) or a padded batch (``attention_mask``), the queries attend through
-the sparse boolean pattern combined with transformers' padding mask: exact (a left-padded
-row gives its real tokens the outputs of the unpadded prompt), but O(Tq·Tk), and the cache is
-transformers' full cache (for constant-memory decoding use :func:`fibattn.generation.decode`).
+``attended_distances(window, alpha, base, T, reach=reach_len)``, ``T`` the sequence length so
+far. Without a cache or padding (``Tq == Tk``) this is :func:`fibattn.sparse_attention`
+(O(T·|D|)). With a cache (``Tq < Tk``, generation) or a padded batch (``attention_mask``), the
+queries attend through the sparse boolean pattern combined with transformers' padding mask:
+exact (a left-padded row gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
+
+Generation: ``model.generate`` keeps transformers' full cache by default, so memory grows with
+the context. ``model.generate(..., cache=FibCache(model, context=...))`` with
+:class:`fibattn.interop.hf_cache.FibCache` keeps only each layer's last ``max(D)`` keys:
+constant memory, the full cache's tokens and logits. It hands over only those keys, the key
+tensor marked with the absolute position of its first key (:data:`FIRST_KEY_POSITION`), from
+which ``T`` is counted.
 
 Saving: ``apply_fibattn`` records its settings in ``model.config.fibattn``, so
 ``save_pretrained`` keeps them. Plain transformers cannot know about them: load with
@@ -45,6 +51,8 @@ from ..schedules import Base, as_base, attended_distances, layer_alphas
 log = logging.getLogger("fibattn")
 
 IMPL_NAME = "fibattn"
+# attribute a cache puts on the key tensor it returns: the absolute position of its first key
+FIRST_KEY_POSITION = "fibattn_first_key_position"
 SCHEDULES = ("fixed", "linear", "coprime", "custom")
 
 
@@ -71,9 +79,10 @@ def _require_transformers():
     return transformers
 
 
-def _cached_mask(spec: LayerSpec, tq: int, tk: int, device) -> torch.Tensor:
-    """``(Tq, Tk)`` bool: query ``tk - tq + i`` may see key ``j`` when ``pos - j`` is attended."""
-    dist = torch.tensor(spec.distances(tk), device=device)
+def _cached_mask(dists: list[int], tq: int, tk: int, device) -> torch.Tensor:
+    """``(Tq, Tk)`` bool: query ``tk - tq + i`` may see key ``j`` when ``pos - j`` is in ``dists``
+    (counted within the keys handed over, which end at the last query)."""
+    dist = torch.tensor(dists, device=device)
     pos = torch.arange(tk - tq, tk, device=device)[:, None]
     gap = pos - torch.arange(tk, device=device)[None, :]
     return torch.isin(gap, dist) & (gap >= 0)
@@ -92,10 +101,11 @@ def _spec_from_config(module) -> LayerSpec | None:
     return spec
 
 
-def _masked(spec: LayerSpec, query, key, value, pad, scaling):
-    """Attention through the sparse pattern and transformers' boolean mask ``pad`` ``(B, 1, Tq, Tk)``."""
+def _masked(dists: list[int], query, key, value, pad, scaling):
+    """Attention through the sparse pattern and transformers' boolean mask ``pad`` ``(B, 1, Tq, >= Tk)``
+    (a :class:`~.hf_cache.FibCache` mask spans its longest layer: each layer reads its own tail)."""
     tq, tk = query.shape[2], key.shape[2]
-    allowed = _cached_mask(spec, tq, tk, query.device)[None, None] & pad.to(torch.bool)
+    allowed = _cached_mask(dists, tq, tk, query.device)[None, None] & pad[..., pad.shape[-1] - tk:].to(torch.bool)
     # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
     empty = ~allowed.any(-1, keepdim=True)
     diag = torch.zeros_like(allowed)
@@ -115,14 +125,15 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     if dropout:
         raise ValueError(f"fibattn attention has no dropout; set config.attention_dropout=0, got {dropout}")
     tq, tk = query.shape[2], key.shape[2]
+    dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        out = _masked(spec, query, key, value, attention_mask, scaling)
+        out = _masked(dists, query, key, value, attention_mask, scaling)
     elif attention_mask is not None:
         raise ValueError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
     elif tq == tk:
-        out = sparse_attention(query, key, value, spec.distances(tk), scale=scaling, backend=spec.backend)
+        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     else:
-        mask = _cached_mask(spec, tq, tk, query.device)
+        mask = _cached_mask(dists, tq, tk, query.device)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
@@ -198,10 +209,17 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
 def from_pretrained(path, *, model_class=None, **kwargs):
     """Load a model saved after :func:`apply_fibattn` with its sparse attention (``kwargs`` go to
     transformers' ``from_pretrained``); a folder without fibattn settings is an error, never a silent
-    dense model."""
+    dense model. A ``fibattn export --format hf`` folder (model type ``fibattn_llama``) loads as the
+    ``LlamaForCausalLM`` it is, without its remote code."""
     transformers = _require_transformers()
     register()
     cls = model_class or transformers.AutoModelForCausalLM
+    if model_class is None and "config" not in kwargs:
+        hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        saved = transformers.LlamaConfig.get_config_dict(path, **hub)[0]
+        if saved.get("model_type") == "fibattn_llama":  # `export --format hf` remote code: its Llama, no remote code
+            saved = {k: v for k, v in saved.items() if k not in ("model_type", "auto_map", "architectures")}
+            cls, kwargs["config"] = transformers.LlamaForCausalLM, transformers.LlamaConfig.from_dict(saved)
     model = cls.from_pretrained(path, attn_implementation=IMPL_NAME, **kwargs)
     if not isinstance(getattr(model.config, "fibattn", None), dict):
         raise ValueError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "

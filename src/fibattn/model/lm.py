@@ -4,8 +4,9 @@ Layout: token ids ``idx`` ``(B, T)`` int64 -> logits ``(B, T, V)``; hidden state
 ``(B, T, C)`` with ``C = d_model``.
 
 Block: ``x + Attn(RMSNorm(x))`` then ``x + SwiGLU(RMSNorm(x))``; SwiGLU hidden is
-``model_cfg.ffn_hidden = 2 * round(d * 8 / 3 / 2)``; a final RMSNorm, and the output
-head reuses the token embedding (tied). No biases, no dropout. Init: normal with
+``model_cfg.ffn_hidden`` (``2 * round(d * 8 / 3 / 2)`` unless ``ffn_dim`` sets it); a final
+RMSNorm, and the output head reuses the token embedding (tied; ``tie_embeddings=False`` gives
+it weights of its own, as most converted Llama models need). No biases, no dropout. Init: normal with
 ``init_std``; the two residual projections per block (attention output, FFN down)
 use ``init_std / sqrt(2 * n_layers)`` (GPT-2's scaled init).
 """
@@ -65,11 +66,20 @@ class FibLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, out_std) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._init_weights(out_std)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The output head's ``(V, C)`` weight: the token embedding unless the head is untied."""
+        return self.embed.weight if self.cfg.tie_embeddings else self.head.weight
 
     def _init_weights(self, out_std: float) -> None:
         std = self.cfg.init_std
         nn.init.normal_(self.embed.weight, std=std)
+        if not self.cfg.tie_embeddings:
+            nn.init.normal_(self.head.weight, std=std)
         for block in self.blocks:
             block.attn.reset_parameters()
             nn.init.normal_(block.ffn.gate.weight, std=std)
@@ -100,8 +110,8 @@ class FibLM(nn.Module):
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The output head on normalised hidden states: the token embedding, tied."""
-        return F.linear(h, self.embed.weight)
+        """The output head on normalised hidden states."""
+        return F.linear(h, self.output_weight)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits ``(B, T, V)``; with ``targets`` ``(B, T)`` also the mean token cross-entropy.

@@ -69,3 +69,20 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, fn, recurse=True):      # .to(device) drops the cached tables
         self._cache = {}
         return super()._apply(fn, recurse)
+
+
+def _pair_order(head_dim: int) -> torch.Tensor:
+    """Row order that takes interleaved pairs ``(2j, 2j+1)`` to halves ``(j, j + Dh/2)``."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
+def interleaved_to_halves(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of a q or k projection ``(heads * Dh, C)`` from this module's interleaved RoPE pairs to the
+    rotate-half convention (transformers' Llama): the scores ``q·k`` are unchanged when both are permuted."""
+    return w.reshape(heads, head_dim, -1)[:, _pair_order(head_dim)].reshape(heads * head_dim, -1)
+
+
+def halves_to_interleaved(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_halves`."""
+    inverse = torch.argsort(_pair_order(head_dim))
+    return w.reshape(heads, head_dim, -1)[:, inverse].reshape(heads * head_dim, -1)

@@ -227,7 +227,9 @@ def run_folder_of(path) -> Path | None:
 
 
 def _model_section(doc) -> dict | None:
-    return doc.get("model") if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else None
+    """A config document's model settings, the keys added since it was written at their defaults."""
+    from ..config import with_defaults
+    return with_defaults(doc)["model"] if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else None
 
 
 def check_identity(path, meta: dict) -> None:

@@ -99,6 +99,11 @@ def _data_lines(cfg, manifest) -> list[str]:
     if manifest and "train_tokens" in manifest:
         lines.append(f"- prepared training tokens: {manifest['train_tokens']:,}")
     lines.append(f"- training: {t.steps} steps x {t.batch_tokens} tokens, lr {t.lr:g}, seed {t.seed}")
+    src = t.init_source or {}
+    if t.init_from:                 # a fine-tune: where its starting weights came from
+        lines.append(f"- initialised from {src.get('path') or t.init_from} ({src.get('kind', 'weights')}"
+                     + (f", step {src['step']}" if src.get("step") is not None else "")
+                     + (f", sha256 {src['sha256']}" if src.get("sha256") else "") + ")")
     return lines
 
 

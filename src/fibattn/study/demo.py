@@ -35,6 +35,26 @@ NOTE = """What this demo can show and what it cannot:
   grid (`fibattn grid paper`, GPUs) and its seed replicates."""
 
 
+RETROFIT_NOTE = """What the retrofit demo shows: a dense model trained at {T} tokens for {steps} steps becomes a
+sparse one with a short fine-tune (train --init-from; the recipe is in docs/retrofit.md), and the
+sparse model keeps its perplexity at {L} tokens where its dense source does not. One seed at this
+size: differences of about 1 % between fine-tune lengths are within seed noise."""
+
+
+def retrofit_lines(files) -> list[str]:
+    """The retrofit table's goals as PASS/FAIL lines and a verdict (or why they cannot be judged)."""
+    from .retrofit_report import retrofit_checks, retrofits
+    items = retrofits([r for r in files.results if r.ppl])
+    if not (items and files.factor and files.datasets):
+        return ["Retrofit check: not available (no fine-tune evaluated at 1× and 2× or more of the training length)"]
+    checks = retrofit_checks(items, files.datasets[0], files.factor)
+    w = max(len(name) for name, _, _ in checks)
+    lines = [f"Retrofit check ({files.datasets[0]}):"]
+    lines += [f"  {'PASS' if ok else 'FAIL'}  {name:<{w}}  {detail}" for name, ok, detail in checks]
+    lines.append(f"Retrofit: {sum(ok for _, ok, _ in checks)}/{len(checks)} PASS")
+    return lines
+
+
 def headline_lines(checks: list[Check], dataset: str, factor: int, train_len: int) -> list[str]:
     """The headline check as text lines with PASS/FAIL marks, and a one-line verdict."""
     lines = [f"Headline check: {dataset} perplexity from {train_len} to {factor * train_len} tokens "
@@ -59,7 +79,7 @@ def headline_lines(checks: list[Check], dataset: str, factor: int, train_len: in
 RUN_ENTRIES = ("config.json", "metrics.jsonl", "eval.json", "grid.log", "alphas.md", "alphas.png", "tensorboard",
                "checkpoints", "eval_positions_*.png", ".*.tmp", ".write-test-*")
 REPORT_ENTRIES = ("report.md", "report.html", "ppl_vs_length.png", "per_position_loss.png", "alphas.png",
-                  "distances.png", ".*.tmp")
+                  "distances.png", "retrofit.png", ".*.tmp")
 
 
 def _remove_ours(folder: Path, patterns) -> list[str]:
@@ -88,7 +108,7 @@ def forget_runs(grid, root: Path) -> list[str]:
         folder = root / run.name
         if folder.exists():
             made_by_us = (folder / "config.json").is_file() or (folder / "checkpoints").is_dir() or \
-                not any(folder.iterdir())
+                all(any(fnmatch.fnmatchcase(e.name, pat) for pat in RUN_ENTRIES) for e in folder.iterdir())
             if not made_by_us:
                 raise ValueError(f"--fresh: {folder} does not look like a run folder (no config.json or "
                                  f"checkpoints/); remove it yourself or choose another --root")
@@ -97,6 +117,6 @@ def forget_runs(grid, root: Path) -> list[str]:
     results.forget_runs(root / "results.sqlite", [run.name for run in grid.runs])
     for name in removed:
         _remove_ours(root / name, RUN_ENTRIES)
-    if (root / "report").is_dir():
-        _remove_ours(root / "report", REPORT_ENTRIES)
+    if (root / grid.report_dir).is_dir():
+        _remove_ours(root / grid.report_dir, REPORT_ENTRIES)
     return removed

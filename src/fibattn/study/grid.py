@@ -9,7 +9,9 @@
 A run is ``preset + overrides + seed``. It trains into ``ROOT/NAME``, is evaluated at its
 ``eval.lengths`` and recorded in ``ROOT/results.sqlite`` (see :mod:`fibattn.study.runner`).
 Grids are functions returning a :class:`Grid`; ``GRIDS`` maps the names the CLI accepts.
-An extension file is a JSON list of ``{"name", "preset", "overrides", "seed"}`` objects.
+An extension file is a JSON list of ``{"name", "preset", "overrides", "seed"[, "init_from", "tune"]}``
+objects (``init_from``: a run of the grid whose trained weights start this one; ``tune``: that
+fine-tune's own overrides, see :meth:`GridRun.config`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from .. import config as C
 from ..config import ConfigError, RunConfig
 from ..presets import PRESETS, get_preset
+from ..trainer.init_recipe import apply_recipe
 from ..validation import validate
 
 
@@ -72,17 +75,26 @@ class GridRun:
     preset: str
     overrides: tuple[str, ...] = ()
     seed: int = 42
+    init_from: str = ""          # another run of the grid whose trained weights start this one (retrofit)
+    tune: tuple[str, ...] = ()   # with init_from: the fine-tune's own overrides, applied last
 
     def config(self, root, extra: list[str] | tuple[str, ...] = (), data_dir: str | None = None) -> RunConfig:
         """The run's validated config, writing to ``ROOT/NAME``.
 
-        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``).
+        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``); a run
+        with ``init_from`` then applies ``tune`` and starts from ``ROOT/<init_from>`` with the fine-tuning
+        recipe (:mod:`fibattn.trainer.init_recipe`) wherever ``extra`` and ``tune`` leave it open (the
+        overrides are the from-scratch recipe the fine-tune's is derived from).
         """
         cfg = get_preset(self.preset)
         C.apply_overrides(cfg, list(self.overrides))
         if data_dir is not None:
             cfg.data.out_dir = data_dir
         C.apply_overrides(cfg, list(extra))
+        if self.init_from:
+            C.apply_overrides(cfg, list(self.tune))
+            cfg.train.init_from = str(Path(root).absolute() / self.init_from)
+            apply_recipe(cfg, {o.split("=", 1)[0].strip() for o in (*extra, *self.tune)})
         cfg.name = self.name
         cfg.train.seed = self.seed
         cfg.train.out_dir = str(Path(root) / self.name)
@@ -101,6 +113,7 @@ class Grid:
     data_under_root: bool = False
     extend_file: str | None = None          # set by :func:`build_grid` (workers re-read it)
     sets: tuple[str, ...] = field(default_factory=tuple)   # grid-wide overrides (``--set``)
+    report_dir: str = "report"              # the report's folder under ROOT
 
     def names(self) -> list[str]:
         return [r.name for r in self.runs]
@@ -160,12 +173,37 @@ def demo_grid() -> Grid:
                 data_under_root=True)
 
 
+RETROFIT_FRACTIONS = (0.05, 0.1, 0.2, 0.4)        # fine-tune steps as a fraction of the dense run's
+
+
+def retrofit_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRun]:
+    """The demo's dense, fib_stagger and fib_fixed runs, and fine-tunes of the dense run to fib linear
+    (stagger) and fib fixed of ``RETROFIT_FRACTIONS`` of its steps (names ``retro_<tag>_<pct>pct``)."""
+    scratch = [r for r in demo_runs(setting, preset) if r.name in ("dense", "fib_stagger", "fib_fixed")]
+    probe = get_preset(preset)
+    C.apply_overrides(probe, list(setting))
+    steps, w = probe.train.steps, probe.model.window
+    runs = list(scratch)
+    for schedule, tag in (("linear", "stagger"), ("fixed", "fixed")):
+        for f in RETROFIT_FRACTIONS:
+            n = max(1, round(f * steps))
+            runs.append(GridRun(f"retro_{tag}_{round(100 * f)}pct", preset, setting + _sparse("fib", schedule, w),
+                                init_from="dense", tune=(f"train.steps={n}",)))
+    return runs
+
+
+def retrofit_grid() -> Grid:
+    return Grid("retrofit", retrofit_runs(tuple(demo_setting())), "the dense demo run fine-tuned to sparse schedules "
+                "for 5-40 % of its steps, next to the sparse runs trained from scratch", data_under_root=True,
+                report_dir="report-retrofit")
+
+
 def smoke_grid() -> Grid:
     runs = [r for r in demo_runs(tuple(smoke_setting())) if r.name in ("dense", "fib_stagger")]
     return Grid("smoke", runs, "two micro runs in seconds (pipeline check)", data_under_root=True)
 
 
-GRIDS = {"paper": paper_grid, "demo": demo_grid, "smoke": smoke_grid}
+GRIDS = {"paper": paper_grid, "demo": demo_grid, "retrofit": retrofit_grid, "smoke": smoke_grid}
 
 
 # ------------------------------------------------------------------------------ select / extend
@@ -186,7 +224,7 @@ def select(runs: list[GridRun], only: str | None) -> list[GridRun]:
 def _entry(item, where: str) -> GridRun:
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
-    allowed = {"name", "preset", "overrides", "seed"}
+    allowed = {"name", "preset", "overrides", "seed", "init_from", "tune"}
     unknown = sorted(set(item) - allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
@@ -203,7 +241,14 @@ def _entry(item, where: str) -> GridRun:
     seed = item.get("seed", 42)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"{where}.seed must be an integer >= 0, got {seed!r}")
-    run = GridRun(name, preset, tuple(overrides), seed)
+    init_from = item.get("init_from", "")
+    if not isinstance(init_from, str) or (init_from and not NAME_RE.match(init_from)):
+        raise ValueError(f"{where}.init_from must name another run of the grid, got {init_from!r}")
+    tune = item.get("tune", [])
+    if not isinstance(tune, list) or not all(isinstance(o, str) and "=" in o for o in tune) or (tune and not init_from):
+        raise ValueError(f"{where}.tune must be a list of 'section.field=value' strings, given with init_from; "
+                         f"got {tune!r}")
+    run = GridRun(name, preset, tuple(overrides), seed, init_from, tuple(tune))
     try:
         run.config("runs")
     except ConfigError as exc:

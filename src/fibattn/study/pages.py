@@ -8,9 +8,26 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+# ------------------------------------------------------------------------------ numbers
+def fmt_ppl(x: float | None) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x:.2f}"
+
+
+def pct_change(a: float | None, b: float | None) -> float | None:
+    """Percent change from ``a`` to ``b`` (None when either is missing)."""
+    if a is None or b is None or a == 0:
+        return None
+    return (b - a) / a * 100.0
+
+
+def fmt_pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:+.1f} %"
 
 
 @dataclass

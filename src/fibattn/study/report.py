@@ -13,13 +13,12 @@ study / Δ against method.md §5 (:mod:`fibattn.study.published`). Tables are bu
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import published as S
-from .pages import Heading, Image, Table, Text
+from .pages import Heading, Image, Table, Text, fmt_pct, fmt_ppl, pct_change  # noqa: F401
 from ..storage.results import eval_ppls
 from ..storage.runs import EVAL_JSON, read_eval_doc
 
@@ -46,6 +45,8 @@ class RunResult:
     positions: dict = field(default_factory=dict)   # (dataset, length) -> [{start, end, loss}] buckets
     model: object = None             # the run's ModelConfig (for the distance picture)
     alpha_line: str = ""             # learned runs: the alpha report's "largest move" line
+    steps: int = 0                   # training steps
+    init_from: str = ""              # the grid run whose weights started this one (retrofit), if any
 
     def get(self, dataset: str, length: int) -> float | None:
         return self.ppl.get((dataset, length))
@@ -62,21 +63,6 @@ def variant_of(model) -> str:
 
 
 # ------------------------------------------------------------------------------ formatting
-def fmt_ppl(x: float | None) -> str:
-    return "—" if x is None or not math.isfinite(x) else f"{x:.2f}"
-
-
-def pct_change(a: float | None, b: float | None) -> float | None:
-    """Percent change from ``a`` to ``b`` (None when either is missing)."""
-    if a is None or b is None or a == 0:
-        return None
-    return (b - a) / a * 100.0
-
-
-def fmt_pct(x: float | None) -> str:
-    return "—" if x is None else f"{x:+.1f} %"
-
-
 def abbrev(dataset: str) -> str:
     return S.DATASET_ABBREV.get(dataset, dataset)
 
@@ -88,7 +74,9 @@ def datasets_of(results: list[RunResult]) -> list[str]:
 
 
 def primary(results: list[RunResult]) -> list[RunResult]:
-    """One run per (variant, window): the lowest seed (replicates go to the seed table)."""
+    """One run per (variant, window) trained from scratch: the lowest seed (replicates go to the seed
+    table; fine-tunes of another run to the retrofit table)."""
+    results = [r for r in results if not r.init_from]
     best: dict = {}
     for r in results:
         key = (r.variant, r.window)
@@ -261,7 +249,7 @@ def collect(grid, root) -> list[RunResult]:
         cfg = grid.config(run, root)
         m = cfg.model
         r = RunResult(run.name, variant_of(m), None if m.attention == "dense" else m.window, cfg.train.seed,
-                      m.seq_len, model=m)
+                      m.seq_len, model=m, steps=cfg.train.steps, init_from=run.init_from)
         mode = cfg.eval.reach
         for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode):
             r.ppl[(dataset, length)] = ppl
@@ -315,6 +303,10 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     if factor and datasets:
         checks = headline_check(primary(done), datasets[0], factor)
         tables.append(check_table(checks, datasets[0], factor))
+    from .retrofit_report import retrofit_table, retrofits
+    retro = retrofits(done)
+    if retro and datasets and factor:
+        tables.append(retrofit_table(retro, datasets[0], factor))
     if settings:
         blocks += [Heading("Settings")] + settings
     blocks += [Heading("Tables")] + tables
@@ -327,13 +319,24 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     return blocks, tables, checks
 
 
+def _retrofit_image(results, datasets, out: Path) -> list:
+    from .retrofit_report import retrofit_plot, retrofits
+    done = [r for r in results if r.ppl]
+    items, factor = retrofits(done), headline_factor(done)
+    if not (items and datasets and factor):
+        return []
+    png = retrofit_plot(items, datasets[0], factor, out / "retrofit.png")
+    return [(png, "Retrofit: perplexity against fine-tune steps; dashed: trained from scratch and the dense "
+                  "source")] if png else []
+
+
 def build_report(grid, root, out=None, *, datasets: list[str] | None = None, plot: bool = True) -> ReportFiles:
     """Collect ``grid``'s results under ``root`` and write ``report.md``, ``report.html`` and PNGs to ``out``."""
     from . import figures as report_plots
     from ..files import atomic_write_text
     from .pages import to_html, to_markdown
     root = Path(root)
-    out = Path(out) if out is not None else root / "report"
+    out = Path(out) if out is not None else root / grid.report_dir
     out.mkdir(parents=True, exist_ok=True)
     results = collect(grid, root)
     found = datasets_of(results)
@@ -343,6 +346,7 @@ def build_report(grid, root, out=None, *, datasets: list[str] | None = None, plo
             raise ValueError(f"--datasets: no results for {bad[0]!r} (evaluated: {', '.join(found) or 'none'})")
     ds = list(datasets or found)
     images = report_plots.draw_all(primary([r for r in results if r.ppl]), ds, out) if plot else []
+    images += _retrofit_image(results, ds, out) if plot else []
     from .settings import settings_blocks
     blocks, tables, checks = build_blocks(grid.name, results, ds, images, settings_blocks(grid, root))
     title = f"fibattn report: grid {grid.name}"

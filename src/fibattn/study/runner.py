@@ -81,8 +81,9 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 def settings_diff(saved: dict, cfg: RunConfig) -> list[str]:
     """``key: old -> new`` for every result-changing setting that differs."""
-    a, b = flat_config(saved), flat_config(C.to_dict(cfg))
-    keys = sorted(k for k in set(a) | set(b) if k not in RUNTIME_KEYS and a.get(k) != b.get(k))
+    a, b = flat_config(C.with_defaults(saved)), flat_config(C.to_dict(cfg))
+    keys = sorted(k for k in set(a) | set(b) if k not in RUNTIME_KEYS and not k.startswith("train.init_source")
+                  and a.get(k) != b.get(k))          # init_source: recorded by the trainer from init_from
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
 
 
@@ -211,11 +212,16 @@ def run_grid(grid: Grid, root, *, devices: list[str] | None = None, out: Callabl
     for i, s in enumerate(rows):
         if s.status == "done":
             prog.line(i + 1, s.run.name, "done, skipped", len(todo))
-    if todo:
-        if devices:
-            _run_parallel(grid, root, todo, devices, prog, summary, progress_data)
-        else:
-            _run_sequential(todo, prog, summary, say)
+    names = {s.run.name for _, s in todo}
+    first = [(i, s) for i, s in todo if s.run.init_from not in names]     # sources before their fine-tunes
+    waves = [first, [item for item in todo if item not in first]]
+    for wave in waves:
+        if wave and devices:
+            _run_parallel(grid, root, wave, devices, prog, summary, progress_data)
+        elif wave:
+            _run_sequential(wave, prog, summary, say)
+        if summary.failed and any(s.run.init_from in summary.failed for _, s in todo):
+            break                               # a failed source: its fine-tunes are left for the next call
     summary.elapsed_s = time.perf_counter() - prog.t0
     say(f"[grid {grid.name}] finished in {fmt_duration(summary.elapsed_s)}: {len(summary.done)} skipped, "
         f"{len(summary.ran)} run, {len(summary.failed)} failed"

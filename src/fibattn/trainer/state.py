@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..storage import checkpoint as ck
-from ..config import RunConfig, to_dict
+from ..config import RunConfig, to_dict, with_defaults
 from ..files import atomic_write_text
 from .distributed import DistInfo, barrier, broadcast_int
 
@@ -165,7 +165,7 @@ def saved_window(w) -> dict | None:
 
 def check_compatible(saved: dict, cfg: RunConfig, path: Path) -> list[str]:
     """Raise if the model differs from the checkpoint's; return other changed keys."""
-    now = to_dict(cfg)
+    now, saved = to_dict(cfg), with_defaults(saved)
     keys = set(saved["model"]) | set(now["model"])
     diff_model = sorted(k for k in keys - set(RUNTIME_MODEL_KEYS) if saved["model"].get(k) != now["model"].get(k))
     if diff_model:

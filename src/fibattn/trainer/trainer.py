@@ -37,6 +37,7 @@ from ..config import ConfigError, RunConfig
 from ..files import check_creatable
 from ..validation import validate
 from ..model.lm import FibLM
+from ..storage.init_source import describe, load_into, open_source, plan
 from ..storage.results import check_db_path, resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
@@ -67,8 +68,8 @@ class TrainResult:
 
 # ------------------------------------------------------------------------------ trainer
 class Trainer:
-    def __init__(self, cfg: RunConfig, dist: D.DistInfo, data, loss_hook):
-        self.cfg, self.dist, self.loss_hook = cfg, dist, loss_hook
+    def __init__(self, cfg: RunConfig, dist: D.DistInfo, data, loss_hook, init=None):
+        self.cfg, self.dist, self.loss_hook, self.init = cfg, dist, loss_hook, init
         t = cfg.train
         self.out = Path(t.out_dir)
         self.accum = accum_steps(cfg, dist.world_size)
@@ -208,6 +209,11 @@ class Trainer:
     def run(self, resume: str, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
         self.resume(resume)
+        if self.init is not None and self.resumed_from is None:     # a fresh start from trained weights
+            parts = load_into(self.model, self.init)
+            if dist.is_main:
+                log.info("fibattn: %s", describe(self.init, parts))
+        self.init = None                                            # free the source's tensors
         if dist.is_main:            # the results DB was checked in __init__, before the data was prepared
             warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
             from .logs import metrics_to_keep
@@ -321,6 +327,20 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------ API / CLI
+def open_init(cfg: RunConfig):
+    """``train.init_from``'s weights, checked against the model ``cfg`` describes (shapes on the meta
+    device, nothing allocated); records their provenance in ``train.init_source``. None without a source."""
+    if not cfg.train.init_from:
+        cfg.train.init_source = {}
+        return None
+    source = open_source(cfg.train.init_from)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in FibLM(cfg.model).state_dict().items()}
+    plan(source, shapes)
+    cfg.train.init_source = source.record()
+    return source
+
+
 def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, data=None,
           loss_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> TrainResult:
     """Train ``cfg`` (a copy is validated and used); returns a :class:`TrainResult`.
@@ -341,11 +361,12 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
     cfg = validate(copy.deepcopy(cfg))
     if str(resume) not in ("auto", "never"):
         S.ck.verify(Path(resume))            # a bad --resume fails before the data is prepared
+    init = open_init(cfg)                    # so does a source that does not fit the model
     dist = D.init(cfg.train)
     trainer = None
     old = None
     try:
-        trainer = Trainer(cfg, dist, data, loss_hook)
+        trainer = Trainer(cfg, dist, data, loss_hook, init)
         if threading.current_thread() is threading.main_thread():
             def on_term(signum, frame):
                 trainer.stop_requested = True

@@ -1,0 +1,104 @@
+"""A Fibonacci-sparse Llama for transformers, written by ``fibattn export --format hf``.
+
+    model = AutoModelForCausalLM.from_pretrained(PATH, trust_remote_code=True)
+
+transformers' ``LlamaForCausalLM`` with one change: every layer's attention sees only the keys at
+its attended distances (fibattn's docs/method.md §1). The query at position ``i`` reads key ``i - d``
+for ``d`` in
+
+    D = {0..W} ∪ {round(alpha * b) : b in base, W < round(alpha * b) <= cap}
+
+with ``cap = T - 1`` (``T``: the keys so far), or ``reach_len - 1`` when smaller; ``round`` is Python's
+(halves to even). Window, per-layer alphas, base and reach_len come from ``config.fibattn``.
+
+Needs only torch and transformers: the pattern is a boolean mask over dense scores (correct, not
+fast; O(Tq * Tk)). With fibattn installed, an unpadded forward without a cache runs on its
+O(T * |D|) op instead.
+"""
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaForCausalLM
+
+from .configuration_fibattn_llama import FibattnLlamaConfig
+
+try:
+    from fibattn import sparse_attention
+except ImportError:  # not installed: the masked path below is the whole model
+    sparse_attention = None
+
+IMPL = "fibattn_llama"
+
+
+def base_values(base: dict, cap: int) -> list:
+    """The base's numbers: ``fib`` the first k Fibonacci numbers from 1, 2; ``pow2`` 1, 2, 4, ... up to the
+    cap; ``custom`` its list."""
+    if base["kind"] == "fib":
+        out = [1, 2]
+        while len(out) < base["k"]:
+            out.append(out[-1] + out[-2])
+        return out[:base["k"]]
+    if base["kind"] == "pow2":
+        return [2 ** i for i in range(cap.bit_length())]
+    if base["kind"] == "custom":
+        return list(base["values"])
+    raise ValueError(f"config.fibattn base kind must be fib, pow2 or custom, got {base['kind']!r}")
+
+
+def attended_distances(window: int, alpha: float, base: dict, seq_len: int, reach_len=None) -> list:
+    """The sorted distances a query attends among ``seq_len`` keys (method.md §1)."""
+    cap = seq_len - 1 if reach_len is None else min(seq_len, reach_len) - 1
+    far = {round(alpha * b) for b in base_values(base, cap)}
+    return sorted(set(range(min(window, cap) + 1)) | {d for d in far if window < d <= cap})
+
+
+def fibattn_llama_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+    """query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv, Tk, Dh)``; the queries are the last Tq positions."""
+    if dropout:
+        raise ValueError(f"fibattn_llama attention has no dropout; set config.attention_dropout=0, got {dropout}")
+    s = module.config.fibattn
+
+    def distances(seq_len):
+        return attended_distances(s["window"], s["alphas"][module.layer_idx], s["base"], seq_len, s.get("reach_len"))
+
+    tq, tk = query.shape[2], key.shape[2]
+    if sparse_attention is not None and attention_mask is None and tq == tk:
+        out = sparse_attention(query, key, value, distances(tk), scale=scaling, backend=s.get("backend", "auto"))
+        return out.transpose(1, 2).contiguous(), None
+    dev = query.device
+    gap = torch.arange(tk - tq, tk, device=dev)[:, None] - torch.arange(tk, device=dev)
+    if attention_mask is None:
+        allowed = torch.isin(gap, torch.tensor(distances(tk), device=dev))
+    else:  # transformers' causal + padding mask: bool, or additive (0 where allowed)
+        pad = attention_mask[..., :tk]
+        pad = pad if pad.dtype == torch.bool else pad == 0
+        # D depends on the length (pow2 grows with it): a row's length is the keys its last query sees, pads not
+        lengths = pad[:, 0, -1].sum(-1).tolist()
+        allowed = torch.stack([torch.isin(gap, torch.tensor(distances(max(n, 1)), device=dev)) for n in lengths])
+        allowed = allowed[:, None] & pad
+        # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
+        allowed = allowed | (~allowed.any(-1, keepdim=True) & (gap == 0))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(IMPL, fibattn_llama_attention)
+try:  # transformers >= 4.53 builds masks per implementation: boolean, None when nothing is padded
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionMaskInterface.register(IMPL, sdpa_mask)
+except ImportError:
+    pass
+
+
+class FibattnLlamaForCausalLM(LlamaForCausalLM):
+    config_class = FibattnLlamaConfig
+
+    def __init__(self, config):
+        if not isinstance(getattr(config, "fibattn", None), dict):
+            raise ValueError("FibattnLlamaForCausalLM: config.fibattn (the sparse settings) is missing; "
+                             "re-export the model with fibattn export --format hf")
+        if len(config.fibattn["alphas"]) != config.num_hidden_layers:
+            raise ValueError(f"config.fibattn alphas must hold one value per layer ({config.num_hidden_layers}), "
+                             f"got {len(config.fibattn['alphas'])}")
+        config._attn_implementation = IMPL  # the only attention this model has: never a dense fallback
+        super().__init__(config)
