@@ -52,6 +52,9 @@ def test_fresh_forgets_only_the_selected_runs(tmp_path):
     assert db.execute("SELECT name FROM runs").fetchall() == [("fib_fixed",)]
     assert db.execute("SELECT run FROM eval_results").fetchall() == [("fib_fixed",)]
     (root / "dense").mkdir()
+    (root / "dense" / "grid.log").write_text("step 1/3")        # a run stopped before its config was written
+    assert D.forget_runs(grid, root) == ["dense"] and not (root / "dense").exists()
+    (root / "dense").mkdir()
     (root / "dense" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="does not look like a run folder"):
         D.forget_runs(grid, root)

@@ -159,3 +159,22 @@ def test_pickled_or_broken_weights_are_refused(tmp_path):
         with pytest.raises(ValueError, match=want):
             open_source(folder, weights=False)
     save_file({"x": torch.zeros(1)}, str(folder / "model.safetensors"))
+
+
+def test_configs_written_before_the_new_keys_compare_equal(tmp_path):
+    """A run made before model.ffn_dim / tie_embeddings / train.init_from existed still resumes and is
+    still the grid's: missing keys count as their defaults."""
+    from fibattn import config as C
+    from fibattn.storage.checkpoint import _model_section
+    from fibattn.study.runner import settings_diff
+    from fibattn.trainer.state import check_compatible
+    cfg = micro_config(tmp_path / "r", tmp_path / "d")
+    old = C.to_dict(cfg)
+    for section, key in (("model", "ffn_dim"), ("model", "tie_embeddings"), ("train", "init_from"),
+                         ("train", "init_source")):
+        del old[section][key]
+    assert settings_diff(old, cfg) == []
+    assert check_compatible(old, cfg, tmp_path) == []
+    assert _model_section(old) == C.to_dict(cfg)["model"]
+    old["model"]["tie_embeddings"] = False                   # a real difference is still one
+    assert settings_diff(old, cfg) == ["model.tie_embeddings: False -> True"]

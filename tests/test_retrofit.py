@@ -116,3 +116,43 @@ def test_the_retrofit_grid_reuses_the_demo_runs_and_derives_its_fine_tunes(tmp_p
     assert (cfg.train.steps, cfg.train.warmup_steps) == (steps // 10, 5) and cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.init_from == str(tmp_path.absolute() / "dense") and cfg.model.schedule == "linear"
     assert grid.report_dir == "report-retrofit" and demo.report_dir == "report"
+
+
+MICRO = ["model.seq_len=32", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+         "model.base_k=6", "model.window=4", "model.backend=torch", "train.steps=20", "train.batch_tokens=128",
+         "train.micro_batch=4", "train.log_every=5", "train.threads=1", "eval.lengths=[32,128]", "eval.tokens=2048"]
+
+
+def test_retrofit_demo_micro_end_to_end(tmp_path, capsys):
+    root = tmp_path / "demo"
+    sets = [a for s in MICRO for a in ("--set", s)]
+    # the demo's own runs first: the retrofit demo reuses them
+    assert main(["demo", "--root", str(root), "--only", "dense,fib_stagger", "--jobs", "1", *sets]) == 0
+    capsys.readouterr()
+    args = ["demo", "--retrofit", "--root", str(root), "--only", "dense,fib_stagger,retro_stagger_*", "--jobs", "1"]
+    assert main(args + sets) == 0
+    out = capsys.readouterr().out
+    assert out.count("done, skipped") == 2 and "4 to run" in out          # dense and fib_stagger reused
+    assert "**Retrofit: the dense run fine-tuned to sparse attention" in out and "Retrofit check" in out
+    assert "Retrofit: " in out and "retro_stagger_10pct at 4×" in out
+    assert (root / "report-retrofit" / "retrofit.png").is_file() and (root / "report" / "report.md").is_file()
+    for name, steps in (("retro_stagger_5pct", 1), ("retro_stagger_10pct", 2), ("retro_stagger_40pct", 8)):
+        t = json.loads((root / name / "config.json").read_text())["train"]
+        assert (t["steps"], t["warmup_steps"]) == (steps, max(1, round(steps / 10)))
+        assert t["lr"] == pytest.approx(3e-3 * 0.1) and t["init_source"]["step"] == 20
+    md = (root / "report-retrofit" / "report.md").read_text()
+    assert "| retro_stagger_10pct | linear | 2 (10 %) |" in md
+
+
+def test_retrofit_checks_judge_the_ten_percent_linear_run():
+    from fibattn.study.report import RunResult
+    from fibattn.study.retrofit_report import retrofit_checks, retrofits
+    def run(name, variant, steps, a, b, init=""):
+        return RunResult(name, variant, None if variant == "dense" else 6, train_len=32, steps=steps, init_from=init,
+                         ppl={("s", 32): a, ("s", 128): b})
+    results = [run("dense", "dense", 500, 6.0, 10.0), run("fib", "linear", 500, 6.0, 6.0),
+               run("r5", "linear", 25, 6.3, 6.2, "dense"), run("r10", "linear", 50, 6.1, 6.5, "dense"),
+               run("r20", "linear", 100, 6.0, 6.0, "dense")]
+    checks = retrofit_checks(retrofits(results), "s", 4)
+    assert [(n, ok) for n, ok, _ in checks] == [("dense source collapses", True), ("r10 at 1×", True),
+                                                ("r10 at 4×", False)]

@@ -9,9 +9,9 @@
 A run is ``preset + overrides + seed``. It trains into ``ROOT/NAME``, is evaluated at its
 ``eval.lengths`` and recorded in ``ROOT/results.sqlite`` (see :mod:`fibattn.study.runner`).
 Grids are functions returning a :class:`Grid`; ``GRIDS`` maps the names the CLI accepts.
-An extension file is a JSON list of ``{"name", "preset", "overrides", "seed"[, "init_from", "tune"]}``
-objects (``init_from``: a run of the grid whose trained weights start this one; ``tune``: that
-fine-tune's own overrides, see :meth:`GridRun.config`).
+An extension file is a JSON list of ``{"name", "preset", "overrides", "seed"[, "init_from", "init_share"]}``
+objects (``init_from``: a run of the grid whose trained weights start this one; ``init_share``: its
+steps as a share of the from-scratch steps, see :meth:`GridRun.config`).
 """
 from __future__ import annotations
 
@@ -76,15 +76,15 @@ class GridRun:
     overrides: tuple[str, ...] = ()
     seed: int = 42
     init_from: str = ""          # another run of the grid whose trained weights start this one (retrofit)
-    tune: tuple[str, ...] = ()   # with init_from: the fine-tune's own overrides, applied last
+    init_share: float = 0.0      # with init_from: fine-tune steps as a share of the from-scratch steps
 
     def config(self, root, extra: list[str] | tuple[str, ...] = (), data_dir: str | None = None) -> RunConfig:
         """The run's validated config, writing to ``ROOT/NAME``.
 
-        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``); a run
-        with ``init_from`` then applies ``tune`` and starts from ``ROOT/<init_from>`` with the fine-tuning
-        recipe (:mod:`fibattn.trainer.init_recipe`) wherever ``extra`` and ``tune`` leave it open (the
-        overrides are the from-scratch recipe the fine-tune's is derived from).
+        Order: preset, the run's overrides, ``data_dir``, then ``extra`` (the grid's ``--set``). A run
+        with ``init_from`` then starts from ``ROOT/<init_from>`` for ``init_share`` of the from-scratch
+        steps, with the fine-tuning recipe (:mod:`fibattn.trainer.init_recipe`) wherever ``extra``
+        leaves it open: the overrides are the from-scratch recipe the fine-tune's is derived from.
         """
         cfg = get_preset(self.preset)
         C.apply_overrides(cfg, list(self.overrides))
@@ -92,9 +92,12 @@ class GridRun:
             cfg.data.out_dir = data_dir
         C.apply_overrides(cfg, list(extra))
         if self.init_from:
-            C.apply_overrides(cfg, list(self.tune))
+            given = {o.split("=", 1)[0].strip() for o in extra}
+            if self.init_share:
+                cfg.train.steps = max(1, round(self.init_share * cfg.train.steps))
+                given.add("train.steps")
             cfg.train.init_from = str(Path(root).absolute() / self.init_from)
-            apply_recipe(cfg, {o.split("=", 1)[0].strip() for o in (*extra, *self.tune)})
+            apply_recipe(cfg, given)
         cfg.name = self.name
         cfg.train.seed = self.seed
         cfg.train.out_dir = str(Path(root) / self.name)
@@ -182,13 +185,12 @@ def retrofit_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRu
     scratch = [r for r in demo_runs(setting, preset) if r.name in ("dense", "fib_stagger", "fib_fixed")]
     probe = get_preset(preset)
     C.apply_overrides(probe, list(setting))
-    steps, w = probe.train.steps, probe.model.window
+    w = probe.model.window
     runs = list(scratch)
     for schedule, tag in (("linear", "stagger"), ("fixed", "fixed")):
         for f in RETROFIT_FRACTIONS:
-            n = max(1, round(f * steps))
             runs.append(GridRun(f"retro_{tag}_{round(100 * f)}pct", preset, setting + _sparse("fib", schedule, w),
-                                init_from="dense", tune=(f"train.steps={n}",)))
+                                init_from="dense", init_share=f))
     return runs
 
 
@@ -224,7 +226,7 @@ def select(runs: list[GridRun], only: str | None) -> list[GridRun]:
 def _entry(item, where: str) -> GridRun:
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
-    allowed = {"name", "preset", "overrides", "seed", "init_from", "tune"}
+    allowed = {"name", "preset", "overrides", "seed", "init_from", "init_share"}
     unknown = sorted(set(item) - allowed)
     if unknown:
         raise ValueError(f"{where} has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
@@ -244,11 +246,10 @@ def _entry(item, where: str) -> GridRun:
     init_from = item.get("init_from", "")
     if not isinstance(init_from, str) or (init_from and not NAME_RE.match(init_from)):
         raise ValueError(f"{where}.init_from must name another run of the grid, got {init_from!r}")
-    tune = item.get("tune", [])
-    if not isinstance(tune, list) or not all(isinstance(o, str) and "=" in o for o in tune) or (tune and not init_from):
-        raise ValueError(f"{where}.tune must be a list of 'section.field=value' strings, given with init_from; "
-                         f"got {tune!r}")
-    run = GridRun(name, preset, tuple(overrides), seed, init_from, tuple(tune))
+    share = item.get("init_share", 0.0)
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 10 or (share and not init_from):
+        raise ValueError(f"{where}.init_share must be a number in (0, 10], given with init_from; got {share!r}")
+    run = GridRun(name, preset, tuple(overrides), seed, init_from, float(share))
     try:
         run.config("runs")
     except ConfigError as exc:
