@@ -223,3 +223,22 @@ def test_interrupted_run_resumes(tmp_path, smoke_root):
     assert summary.ran == ["dense"] and any("run 1/1 dense: resuming training" in ln for ln in lines)
     metrics = (tmp_path / "dense" / "metrics.jsonl").read_text()
     assert '"step": 3' in metrics and [s.status for s in R.states(grid, tmp_path)] == ["done"]
+
+
+def test_fine_tunes_wait_for_their_source_and_skip_when_it_failed(tmp_path, monkeypatch):
+    import sys
+    setting = tuple(G.smoke_setting())
+    runs = [G.GridRun("tune_bad", "tiny", setting, init_from="bad", init_share=0.5),
+            G.GridRun("tune_a", "tiny", setting, init_from="a", init_share=0.5),
+            G.GridRun("a", "tiny", setting + ("model.attention=dense",)),
+            G.GridRun("bad", "tiny", setting + ("model.attention=dense",))]
+    grid = G.Grid("smoke", runs, data_under_root=True)
+    code = ("import sys, time, pathlib; time.sleep(0.3 if sys.argv[1] in ('a', 'bad') else 0); "
+            "pathlib.Path(sys.argv[2], sys.argv[1] + '.done').write_text(''); sys.exit(3 if sys.argv[1] == 'bad' else 0)")
+    monkeypatch.setattr(R, "worker_command", lambda g, root, name: [sys.executable, "-c", code, name, str(tmp_path)])
+    lines = []
+    summary = R.run_grid(grid, tmp_path, devices=["0", "1"], out=lines.append, progress_data=False)
+    assert sorted(summary.ran) == ["a", "tune_a"] and sorted(summary.failed) == ["bad", "tune_bad"]
+    assert "source run bad failed" in summary.failed["tune_bad"] and not (tmp_path / "tune_bad.done").exists()
+    # tune_a started only after a had finished
+    assert (tmp_path / "a.done").stat().st_mtime_ns <= (tmp_path / "tune_a.done").stat().st_mtime_ns

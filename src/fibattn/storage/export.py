@@ -75,7 +75,8 @@ def run_card(run_dir, model, cfg, checkpoint, **how) -> str:
 
 def _architecture_lines(model, m) -> list[str]:
     lines = [f"- parameters: {model.num_params(non_embedding=False):,} "
-             f"({model.num_params():,} non-embedding; the output head is tied to the embedding)",
+             f"({model.num_params():,} non-embedding; the output head "
+             f"{'is tied to the embedding' if m.tie_embeddings else 'has weights of its own'})",
              f"- d_model {m.d_model}, {m.n_layers} layers, {m.n_heads} heads / {m.n_kv_heads} kv heads, "
              f"vocabulary {m.vocab_size}, RoPE theta {m.rope_theta:g}, trained at length {m.seq_len}"]
     if m.attention == "dense":

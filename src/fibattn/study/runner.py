@@ -213,15 +213,11 @@ def run_grid(grid: Grid, root, *, devices: list[str] | None = None, out: Callabl
         if s.status == "done":
             prog.line(i + 1, s.run.name, "done, skipped", len(todo))
     names = {s.run.name for _, s in todo}
-    first = [(i, s) for i, s in todo if s.run.init_from not in names]     # sources before their fine-tunes
-    waves = [first, [item for item in todo if item not in first]]
-    for wave in waves:
-        if wave and devices:
-            _run_parallel(grid, root, wave, devices, prog, summary, progress_data)
-        elif wave:
-            _run_sequential(wave, prog, summary, say)
-        if summary.failed and any(s.run.init_from in summary.failed for _, s in todo):
-            break                               # a failed source: its fine-tunes are left for the next call
+    todo = sorted(todo, key=lambda item: item[1].run.init_from in names)    # sources before their fine-tunes
+    if todo and devices:
+        _run_parallel(grid, root, todo, devices, prog, summary, progress_data)
+    elif todo:
+        _run_sequential(todo, prog, summary, say)
     summary.elapsed_s = time.perf_counter() - prog.t0
     say(f"[grid {grid.name}] finished in {fmt_duration(summary.elapsed_s)}: {len(summary.done)} skipped, "
         f"{len(summary.ran)} run, {len(summary.failed)} failed"
@@ -229,8 +225,19 @@ def run_grid(grid: Grid, root, *, devices: list[str] | None = None, out: Callabl
     return summary
 
 
+def _source_failed(s: RunState, summary: GridSummary) -> str | None:
+    if s.run.init_from in summary.failed:
+        return f"its source run {s.run.init_from} failed; re-run to retry both"
+    return None
+
+
 def _run_sequential(todo, prog: Progress, summary: GridSummary, say) -> None:
     for k, (i, s) in enumerate(todo):
+        why = _source_failed(s, summary)
+        if why:
+            summary.failed[s.run.name] = why
+            prog.line(i, s.run.name, f"skipped: {why}", len(todo) - k - 1)
+            continue
         what = {"new": "training", "resume": "resuming training", "evaluate": "evaluating"}[s.status]
         prog.line(i, s.run.name, what, len(todo) - k)
         t0 = time.perf_counter()
@@ -281,9 +288,25 @@ def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummar
     for d in devices:
         free.put(d)
     remaining = [len(todo)]
+    finished = {s.run.name: threading.Event() for _, s in todo}
 
     def work(item):
         i, s = item
+        try:
+            _work(i, s)
+        finally:
+            finished[s.run.name].set()
+
+    def _work(i, s):
+        if s.run.init_from in finished:              # a fine-tune waits for its source (queued before it)
+            finished[s.run.init_from].wait()
+        why = _source_failed(s, summary)
+        if why:
+            with prog.lock:
+                remaining[0] -= 1
+            summary.failed[s.run.name] = why
+            prog.line(i, s.run.name, f"skipped: {why}", remaining[0], len(devices))
+            return
         dev = free.get()
         log_path = Path(s.cfg.train.out_dir) / "grid.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
