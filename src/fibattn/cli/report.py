@@ -25,7 +25,9 @@ def run(args) -> int:
     grid = build_grid(args.grid, only=args.only, extend=args.extend, sets=args.set)
     root = Path(args.root or f"runs/{args.grid}")
     if not root.is_dir():
-        raise FileNotFoundError(f"--root {root} does not exist; run `fibattn grid {args.grid} --root {root}` first")
+        hint = " (`fibattn demo --retrofit` writes under runs/demo: pass --root runs/demo)" if args.grid == "retrofit" else ""
+        raise FileNotFoundError(f"--root {root} does not exist; run `fibattn grid {args.grid} --root {root}` first"
+                                + hint)
     out = check_creatable(args.out or root / grid.report_dir, "--out")
     check_overwritable(out, {"report.md": "# fibattn report", "report.html": "fibattn report"}, "--out")
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
