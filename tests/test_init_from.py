@@ -75,12 +75,18 @@ def test_sources_run_at_step_checkpoint_and_export_are_the_same_weights(dense_ru
 
 
 def test_a_resumed_run_is_not_initialised_again(dense_run, tiny_data, tmp_path):
+    import shutil
+    source = tmp_path / "source"
+    shutil.copytree(dense_run, source)
     cfg = sparse_cfg(tmp_path / "ft", tiny_data)
     cfg.train.lr, cfg.train.steps = 3e-3, 2
-    cfg.train.init_from = str(dense_run)
+    cfg.train.init_from = str(source)
     train(cfg, stop_at=1)
     first = weights(tmp_path / "ft", 1)
-    train(cfg)                                       # resumes from step 1: the source is not loaded again
+    recorded = json.loads((tmp_path / "ft" / "config.json").read_text())["train"]["init_source"]
+    shutil.rmtree(source)                            # the source is not needed to resume, and not loaded again
+    train(cfg)
+    assert json.loads((tmp_path / "ft" / "config.json").read_text())["train"]["init_source"] == recorded
     straight = sparse_cfg(tmp_path / "straight", tiny_data)
     straight.train.lr, straight.train.steps, straight.train.init_from = 3e-3, 2, str(dense_run)
     train(straight)

@@ -327,11 +327,19 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------ API / CLI
-def open_init(cfg: RunConfig):
+def open_init(cfg: RunConfig, resume: str = "never"):
     """``train.init_from``'s weights, checked against the model ``cfg`` describes (shapes on the meta
-    device, nothing allocated); records their provenance in ``train.init_source``. None without a source."""
+    device, nothing allocated); records their provenance in ``train.init_source``. None without a
+    source, and when the run will resume (the source is not needed then, and may be gone)."""
     if not cfg.train.init_from:
         cfg.train.init_source = {}
+        return None
+    out = Path(cfg.train.out_dir)
+    if str(resume) not in ("auto", "never") or (str(resume) == "auto" and S.ck.list_checkpoints(S.ck.ckpt_root(out))):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            saved = C.load(out / "config.json").train
+            if saved.init_from == cfg.train.init_from:
+                cfg.train.init_source = saved.init_source
         return None
     source = open_source(cfg.train.init_from)
     with torch.device("meta"):
@@ -361,7 +369,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
     cfg = validate(copy.deepcopy(cfg))
     if str(resume) not in ("auto", "never"):
         S.ck.verify(Path(resume))            # a bad --resume fails before the data is prepared
-    init = open_init(cfg)                    # so does a source that does not fit the model
+    init = open_init(cfg, str(resume))       # so does a source that does not fit the model
     dist = D.init(cfg.train)
     trainer = None
     old = None
