@@ -170,7 +170,7 @@ def test_cli_prepare_progress_and_verify(tmp_path, capsys):
     (['data.sources=[{"name": "a"}, {"name": "a"}]'], r"used twice"),
     (['data.sources=[{"colour": "red"}]'], r"unknown (config )?key data.sources\[0\].colour"),
     (["data.sources=[]"], r"data.sources must list at least one source"),
-    (["data.tokenizer=wordpiece"], r"data.tokenizer must be one of byte, bpe"),
+    (["data.tokenizer=wordpiece"], r"data.tokenizer must be byte, bpe, or the path of a tokenizer.json"),
     (["data.tokenizer=bpe", "data.vocab_size=256"], r"data.vocab_size must be >= 257"),
 ])
 def test_cli_bad_input(tmp_path, capsys, sets, needle):

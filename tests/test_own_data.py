@@ -114,3 +114,31 @@ def test_the_data_folder_is_stored_absolute(tmp_path, monkeypatch, capsys, tiny_
     shutil.copytree(tiny_data, tmp_path / "d")
     run(capsys, ["train", "--set", "data.out_dir=d", "--out", "r", *FAST])
     assert json.loads(Path("r/config.json").read_text())["data"]["out_dir"] == str(tmp_path / "d")
+
+
+def test_a_pretrained_tokenizer_is_reused_as_it_is(tmp_path, monkeypatch):
+    """``prepare --tokenizer FILE``: a model's own tokenizer.json (here Llama-style, eos ``</s>``) is copied
+    into the folder and tokenizes the data; ``train --data`` takes its vocabulary; a missing file is refused."""
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.chdir(tmp_path)
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(corpus_texts()[:1], trainer)
+    (tmp_path / "model").mkdir()
+    tk.save(str(tmp_path / "model" / "tokenizer.json"))
+    (tmp_path / "mytext.txt").write_text(corpus_texts()[0][:200_000])
+    assert main(["prepare", "--files", "mytext.txt", "--tokenizer", "model", "--out", "data/mine", "--quiet"]) == 0
+    manifest = json.loads((tmp_path / "data" / "mine" / "manifest.json").read_text())
+    assert manifest["eos_id"] == tk.token_to_id("</s>") and manifest["vocab_size"] == tk.get_vocab_size()
+    assert manifest["tokenizer"]["source"] == str(tmp_path / "model")
+    from fibattn.data import load_tokenizer
+    text = "ROMEO: what light"
+    assert load_tokenizer(tmp_path / "data" / "mine").encode(text) == tk.encode(text).ids
+    assert main(["train", "--data", "data/mine", "--out", "runs/mine", *FAST, "--set", "train.steps=1"]) == 0
+    cfg = json.loads((tmp_path / "runs" / "mine" / "config.json").read_text())
+    assert cfg["model"]["vocab_size"] == tk.get_vocab_size()
+    assert main(["prepare", "--files", "mytext.txt", "--tokenizer", "nowhere.json", "--out", "data/x"]) == 2
+    assert not (tmp_path / "data" / "x").exists()

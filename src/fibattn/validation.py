@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import typing
 
 from . import devices
@@ -156,7 +157,12 @@ def validate_model(m: ModelConfig) -> None:
 def validate_data(d: DataConfig) -> None:
     _check_types(d, "data")
     _need(d.out_dir.strip() != "", "data.out_dir must name a folder, got ''")
-    _choice(d, "data", "tokenizer", ("byte", "bpe"))
+    # else the path of a pretrained tokenizer.json (or a folder holding one): a prepared folder keeps its own copy,
+    # so the file itself is checked where a folder is built (data.pipeline), not here
+    t = d.tokenizer
+    _need(t in ("byte", "bpe") or t.endswith(".json") or "/" in t or os.sep in t,
+          f"data.tokenizer must be byte, bpe, or the path of a tokenizer.json (or of a folder holding one) to reuse, "
+          f"got {show_value(t)}")
     _int_at_least(d, "data", "vocab_size", 256 if d.tokenizer == "bpe" else 1, 1 << 32)
     _num_in(d, "data", "val_fraction", 0, 0.5, lo_open=True)
     _int_at_least(d, "data", "val_tokens_max", 1)

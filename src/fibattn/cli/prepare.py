@@ -1,7 +1,7 @@
 """``fibattn prepare``: tokenise a preset's data sources into a prepared folder.
 
     fibattn prepare [--preset tiny|paper] [--set data.field=value ...] [--out DIR] [--force]
-    fibattn prepare --files PATH [PATH ...] [--tokenizer byte|bpe] [--out DIR]     # your own text
+    fibattn prepare --files PATH [PATH ...] [--tokenizer byte|bpe|FILE] [--out DIR]     # your own text
     fibattn prepare --verify DIR
 
 ``--verify DIR`` re-hashes an existing folder and builds nothing, so it takes none of
@@ -16,6 +16,7 @@ The Python API is :func:`fibattn.data.prepare` / :func:`fibattn.data.ensure_prep
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from ..config import ConfigError, apply_overrides
 from ..data.manifest import read_manifest
@@ -32,7 +33,9 @@ def configure_parser(p) -> None:
     p.add_argument("--files", nargs="+", default=None, metavar="PATH",
                    help="your own text: .txt/.jsonl/.parquet files or folders, one source each (replaces the "
                         "preset's sources; then train with --data DIR)")
-    p.add_argument("--tokenizer", default=None, choices=("byte", "bpe"), help="data.tokenizer (default: the preset's)")
+    p.add_argument("--tokenizer", default=None, metavar="byte|bpe|FILE",
+                   help="data.tokenizer (default: the preset's): bytes, a BPE trained on the data, or a pretrained "
+                        "tokenizer.json (or a model folder holding one) to reuse, e.g. the model --init-from starts")
     p.add_argument("--vocab-size", type=int, default=None, metavar="N",
                    help="data.vocab_size of a bpe tokenizer (default: the preset's)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -83,7 +86,12 @@ def run(args) -> int:
     if args.files is not None:
         cfg.data.sources = files_sources(args.files)
     if args.tokenizer is not None:
-        cfg.data.tokenizer = args.tokenizer
+        known = args.tokenizer in ("byte", "bpe")
+        cfg.data.tokenizer = args.tokenizer if known else str(Path(args.tokenizer).expanduser().absolute())
+        f = Path(cfg.data.tokenizer)
+        if not known and not (f.is_file() or (f / "tokenizer.json").is_file()):
+            raise ConfigError(f"--tokenizer must be byte, bpe, or a tokenizer.json file (or a folder holding one), "
+                              f"got {args.tokenizer!r}")
     if args.vocab_size is not None:
         cfg.data.vocab_size = args.vocab_size
     apply_overrides(cfg, args.overrides)

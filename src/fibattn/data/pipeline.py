@@ -181,6 +181,15 @@ def _make_tokenizer(cfg: DataConfig, folder: Path, progress: Progress) -> dict:
     t0 = time.perf_counter()
     if cfg.tokenizer == "byte":
         tok, extra = ByteTokenizer(), {}
+    elif cfg.tokenizer != "bpe":                 # a pretrained tokenizer, copied into the folder as it is
+        from .tokenizers import load_tokenizer
+        f = Path(cfg.tokenizer).expanduser()
+        if not (f.is_file() or (f / TOKENIZER_FILE).is_file()):
+            raise ConfigError(f"data.tokenizer must be byte, bpe, or a tokenizer.json file (or a folder holding one) "
+                              f"to reuse; {f} is neither")
+        tok = load_tokenizer(f)
+        extra = {"source": str(Path(cfg.tokenizer).expanduser().absolute()),
+                 "source_sha256": tokenizer_sha256(Path(cfg.tokenizer).expanduser())}
     else:
         used: dict = {}
         tok = train_bpe(_bpe_sample(cfg, used), cfg.vocab_size)

@@ -26,6 +26,8 @@ from ..files import atomic_write_text
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
+# end-of-document tokens of pretrained tokenizers (GPT-2 style, Llama 1/2, Llama 3, Gemma), in order of preference
+EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
 DATA_EXTRA = "pip install 'fibattn[data]'"
 
 
@@ -71,16 +73,18 @@ class ByteTokenizer:
 
 
 class BPETokenizer:
-    """A trained Hugging Face ``tokenizers.Tokenizer`` (ByteLevel BPE) with an eos token."""
+    """A Hugging Face ``tokenizers.Tokenizer`` with an end-of-document token: one fibattn trained
+    (ByteLevel BPE, ``<|endoftext|>``) or a pretrained model's ``tokenizer.json`` (its first token of
+    ``EOS_CANDIDATES``)."""
 
     name = "bpe"
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
         self._tok.encode_special_tokens = True      # literal "<|endoftext|>" in text is just text
-        eos = tokenizer.token_to_id(EOS_TOKEN)
+        eos = next((tokenizer.token_to_id(t) for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
         if eos is None:
-            raise ValueError(f"BPE tokenizer has no {EOS_TOKEN} token; it was not trained by fibattn")
+            raise ValueError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}")
         self.eos_id = int(eos)
         self.vocab_size = int(tokenizer.get_vocab_size())
 

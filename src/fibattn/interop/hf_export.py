@@ -148,7 +148,8 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
         if type(tokenizer).__name__ == "ByteTokenizer":
             _byte_tokenizer_fast(transformers).save_pretrained(out)
         else:
-            fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok, eos_token="<|endoftext|>")
+            eos = tokenizer.backend.id_to_token(tokenizer.eos_id)    # <|endoftext|>, or a reused tokenizer's own
+            fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=eos)
             fast.save_pretrained(out)
     c = Checkpoint.open(ckpt)
     (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
