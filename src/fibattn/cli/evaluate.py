@@ -15,8 +15,14 @@ def configure_parser(parser) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="token budget per split (default: eval.tokens)")
     parser.add_argument("--reach", default=None, help="study (rebuild distances at the evaluation length) | "
                         "train (cap at the training length); default: eval.reach")
+    parser.add_argument("--mode", default=None, help="evaluation mode (method.md §7): none (default) | linear | ntk | "
+                        "yarn (RoPE scaling, any model) | window (dense model: sliding window of the training length)")
+    parser.add_argument("--rope-scaling", default=None, metavar="KIND",
+                        help="none | linear | ntk | yarn: the same choice as --mode for RoPE scaling")
+    parser.add_argument("--rope-factor", type=float, default=None, metavar="F",
+                        help="RoPE scaling factor >= 1 (default: evaluation length / training length, at least 1)")
     parser.add_argument("--dense-window", action="store_true",
-                        help="dense model only: sliding window of the training length")
+                        help="dense model only: sliding window of the training length (the same as --mode window)")
     parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default: eval.batch_size)")
     parser.add_argument("--buckets", type=int, default=32, help="per-position loss buckets (default 32)")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: the run's train.device)")
@@ -38,12 +44,15 @@ def run(args) -> int:
     if args.buckets < 1:
         raise ValueError(f"--buckets must be an integer >= 1, got {args.buckets}")
     report = evaluate_run(args.run, step=parse_step(args.step), lengths=lengths, datasets=datasets,
-                          tokens=args.tokens, reach=args.reach, dense_window=args.dense_window,
+                          tokens=args.tokens, reach=args.reach, dense_window=args.dense_window, mode=args.mode,
+                          rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
                           batch_size=args.batch_size, device=args.device, precision=args.precision, data=args.data,
                           json_out=args.json, db=args.db, plot=not args.no_plot, buckets=args.buckets)
     s = report.settings
     print(f"run {s['run']} step {s['step']} | mode {s['mode']} | train length {s['train_len']} | "
           f"device {s['device']} | precision {s['precision']}")
+    if "scaling_note" in s:
+        print(s["scaling_note"])
     print(report.table())
     for line in report.fairness_lines():
         print(line)

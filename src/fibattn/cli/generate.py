@@ -11,6 +11,7 @@ import torch
 from ..checks import check_int
 from ..devices import resolve_device
 from ..generation.decode import TextStream, generate
+from ..model.rope import SCALING_KINDS, check_factor
 from ..storage.pretrained import load_model
 from ..storage.runs import parse_step
 
@@ -30,6 +31,10 @@ def configure_parser(parser) -> None:
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--rope-scaling", default="none", metavar="KIND",
+                        help="none (default) | linear | ntk | yarn: RoPE scaling while generating (method.md §7)")
+    parser.add_argument("--rope-factor", type=float, default=None, metavar="F",
+                        help="RoPE scaling factor >= 1 (default: context / training length, at least 1)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
@@ -43,6 +48,14 @@ def _check_flags(args) -> None:
         raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (0 < args.top_p <= 1):
         raise ValueError(f"--top-p must be a number in (0, 1] (1 = off), got {args.top_p}")
+    kind, factor = getattr(args, "rope_scaling", "none"), getattr(args, "rope_factor", None)
+    if kind not in SCALING_KINDS:
+        raise ValueError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {kind!r}")
+    if factor is not None:
+        check_factor(factor, "--rope-factor")
+        if kind == "none":
+            raise ValueError(f"--rope-factor applies with --rope-scaling linear, ntk or yarn, got --rope-scaling "
+                             f"none and --rope-factor {factor:g}")
 
 
 def run(args, out=None) -> int:
@@ -59,9 +72,15 @@ def run(args, out=None) -> int:
     if not prompt:
         raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
     eos = getattr(tokenizer, "eos_id", None)
+    kind, factor = getattr(args, "rope_scaling", "none"), getattr(args, "rope_factor", None)
     steps = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                     stop_ids=() if eos is None else (eos,))
+                     stop_ids=() if eos is None else (eos,), rope_scaling=kind, rope_factor=factor)
+    if kind != "none":
+        sparse = any(layer.attention == "sparse" for layer in model.layers())
+        log.info("fibattn generate: RoPE scaling %s, factor %s%s", kind,
+                 f"{factor:g}" if factor else "context / training length (at least 1)",
+                 " (on a sparse model: the angles of the attended distances change)" if sparse else "")
     stream = TextStream(tokenizer)
     out.write(args.prompt)
     out.flush()

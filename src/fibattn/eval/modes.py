@@ -1,5 +1,15 @@
-"""Evaluation modes: temporary changes to a model's attention for one evaluation, each
-restored afterwards — the sparse ``reach`` (method.md) and a dense sliding window."""
+"""Evaluation modes: temporary changes to a model for one evaluation, each restored afterwards.
+
+One family (method.md §7), chosen per run without retraining: ``none`` (the model as trained),
+``linear`` / ``ntk`` / ``yarn`` (RoPE scaling, any model; on a sparse one it changes the angles of
+the attended distances) and ``window`` (a dense model with a sliding window of its training
+length). The sparse ``reach`` (method.md §1) is orthogonal to RoPE scaling and combines with it.
+
+The recorded ``mode`` of a result (:func:`mode_name`; eval.json and the results DB key on it):
+``study`` / ``train`` (the reach, no scaling), ``dense-window``, ``<reach>+<kind>`` (scaling at the
+default factor, evaluation length / training length) and ``<reach>+<kind>@<factor>`` (a fixed
+factor), e.g. ``study+yarn``, ``train+ntk@4``. Results recorded before scaling existed keep their names.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +19,50 @@ import torch.nn.functional as F
 
 from ..checks import check_int
 from ..model.attention import REACH_MODES
+from ..model.rope import SCALING_KINDS, RopeScaling, check_factor, make_scaling, rope_scaling_mode
 
-__all__ = ["REACH_MODES", "banded_attention", "dense_window_mode", "reach_mode"]
+__all__ = ["EVAL_MODES", "REACH_MODES", "SCALING_KINDS", "WINDOW_MODE", "RopeScaling", "banded_attention",
+           "check_factor", "dense_window_mode", "make_scaling", "mode_name", "reach_mode", "resolve_mode",
+           "rope_scaling_mode"]
+
+EVAL_MODES = SCALING_KINDS + ("window",)
+WINDOW_MODE = "dense-window"          # the recorded name of the window mode (unchanged since it was added)
+
+
+def resolve_mode(mode=None, *, rope_scaling=None, dense_window: bool = False) -> str:
+    """The one evaluation mode the options name (``none`` when none is named): ``mode`` (``--mode``),
+    ``rope_scaling`` (``--rope-scaling``, a scaling kind) and ``dense_window`` (``--dense-window``, the
+    window mode) are spellings of the same choice; two that disagree are a ValueError naming both."""
+    picks = []
+    if mode is not None:
+        if mode not in EVAL_MODES:
+            raise ValueError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+        picks.append(("--mode", mode))
+    if rope_scaling is not None:
+        if rope_scaling not in SCALING_KINDS:
+            raise ValueError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {rope_scaling!r}")
+        picks.append(("--rope-scaling", rope_scaling))
+    if dense_window:
+        picks.append(("--dense-window", "window"))
+    chosen = {m for _, m in picks}
+    if ("--rope-scaling", "none") in picks and ("--mode", "none") not in picks and chosen == {"none", "window"}:
+        chosen.discard("none")                   # no RoPE scaling goes with the window mode
+    if len(chosen) > 1:
+        said = ", ".join(f"{flag} {m}" if flag != "--dense-window" else flag for flag, m in picks)
+        raise ValueError(f"evaluation mode given twice with different values ({said}); choose one of "
+                         f"{', '.join(EVAL_MODES)} (RoPE scaling and the dense window do not combine)")
+    return chosen.pop() if chosen else "none"
+
+
+def mode_name(mode: str, reach: str, factor=None) -> str:
+    """The recorded name of an evaluation in ``mode`` with ``reach`` (and a fixed ``factor``, if any)."""
+    if mode not in EVAL_MODES:
+        raise ValueError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+    if mode == "window":
+        return WINDOW_MODE
+    if mode == "none":
+        return reach
+    return f"{reach}+{mode}" + ("" if factor is None else f"@{check_factor(factor, '--rope-factor'):g}")
 
 
 def _layers(model) -> list:
@@ -57,8 +109,8 @@ def dense_window_mode(model, band: int):
     check_int("dense window", band, 1)
     layers = _layers(model)
     if not layers or any(layer.attention != "dense" for layer in layers):
-        raise ValueError("--dense-window needs a dense model (model.attention=dense); this one is sparse or has no "
-                         "attention layers")
+        raise ValueError("--mode window (--dense-window) needs a dense model (model.attention=dense); this one is "
+                         "sparse or has no attention layers")
     for layer in layers:
         layer.attend = lambda q, k, v: banded_attention(q, k, v, band)
     try:

@@ -32,6 +32,9 @@ Rules (what a result means):
   ``S``: each query sees distances ``0..S-1`` only (exactly what it saw in training). It
   runs blockwise: query block ``[s, s+S)`` attends keys ``[s-S+1, s+S)`` through SDPA with
   a banded mask, so cost is O(T·2S) and the result is exact (no chunk-overlap approximation).
+  It is the ``window`` member of the evaluation modes (:mod:`fibattn.eval.modes`, method.md §7).
+- ``mode`` ``linear | ntk | yarn``: RoPE scaling, set per length with the factor ``rope_factor``
+  or, by default, ``max(1, L / S)`` (so at and below the training length nothing changes).
 - Per-position loss: mean NLL by position within the window, in ``buckets`` equal spans.
 """
 from __future__ import annotations
@@ -49,15 +52,16 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_int
-from .modes import REACH_MODES, banded_attention, dense_window_mode, reach_mode
+from .modes import (REACH_MODES, SCALING_KINDS, WINDOW_MODE, banded_attention, check_factor, dense_window_mode,
+                    mode_name, reach_mode, resolve_mode, rope_scaling_mode)
 
 log = logging.getLogger("fibattn")
 
-__all__ = ["REACH_MODES", "EvalRecord", "EvalReport", "banded_attention", "bits_per_byte", "count_bytes",
-           "dense_window_mode", "evaluate", "position_buckets", "reach_mode", "scored_budget",
-           "scored_target_positions", "token_nll", "window_plan", "window_starts"]
+__all__ = ["REACH_MODES", "SCALING_KINDS", "WINDOW_MODE", "EvalRecord", "EvalReport", "banded_attention",
+           "bits_per_byte", "count_bytes", "dense_window_mode", "evaluate", "position_buckets", "reach_mode",
+           "rope_scaling_mode", "scored_budget", "scored_target_positions", "token_nll", "window_plan",
+           "window_starts"]
 
-WINDOW_MODE = "dense-window"
 _LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
 _logged: set = set()
 
@@ -193,7 +197,8 @@ def _autocast(precision: str, device: torch.device):
 # ----------------------------------------------------------------------------- results
 @dataclass
 class EvalRecord:
-    """One (dataset, length, mode) result. ``mode`` is the reach, or ``dense-window``."""
+    """One (dataset, length, mode) result. ``mode``: see :func:`fibattn.eval.modes.mode_name`;
+    ``rope_factor``: the RoPE scaling factor used at this length (1.0: unscaled here)."""
 
     dataset: str
     length: int
@@ -210,6 +215,8 @@ class EvalRecord:
     scored_sha256: str
     buckets: list = field(default_factory=list)
     seconds: float = 0.0
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
 
     def key(self) -> tuple:
         return (self.dataset, self.length, self.mode)
@@ -242,10 +249,15 @@ class EvalReport:
         return lines
 
     def table(self) -> str:
-        rows = ["| dataset | length | mode | tokens | windows | ppl | bpb |", "|---|---|---|---|---|---|---|"]
+        scaled = any(r.rope_scaling for r in self.records)        # a RoPE column only when one was scaled
+        rope_head = " RoPE scaling |" if scaled else ""
+        rows = ["| dataset | length | mode |" + rope_head + " tokens | windows | ppl | bpb |",
+                "|---|---|---|" + ("---|" if scaled else "") + "---|---|---|---|"]
         for r in self.records:
             bpb = "—" if r.bpb is None else f"{r.bpb:.4f}"
-            rows.append(f"| {r.dataset} | {r.length} | {r.mode} | {r.tokens} | {r.windows} | {r.ppl:.3f} | {bpb} |")
+            rope = f" {r.rope_scaling or 'none'} ×{r.rope_factor or 1:g} |" if scaled else ""
+            rows.append(f"| {r.dataset} | {r.length} | {r.mode} |{rope} {r.tokens} | {r.windows} | {r.ppl:.3f} | "
+                        f"{bpb} |")
         return "\n".join(rows)
 
     def to_dict(self) -> dict:
@@ -291,12 +303,14 @@ def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, 
 
 def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach: str = "study",
              batch_size: int = 4, dense_window: bool = False, tokenizer=None, buckets: int = 32,
-             precision: str = "fp32") -> EvalReport:
+             precision: str = "fp32", mode: str | None = None, rope_factor: float | None = None) -> EvalReport:
     """Perplexity (and bits per byte with a ``tokenizer``) of ``model`` on each split at each length.
 
     ``model``: a :class:`fibattn.model.lm.FibLM`, or any module mapping ``(B, L)`` ids to
     ``(B, L, V)`` logits. Runs in eval mode under ``torch.inference_mode`` on the model's
     device; the model's training flag and layer settings are restored afterwards.
+    ``mode``: ``none | linear | ntk | yarn | window`` (``dense_window=True`` is ``window``);
+    ``rope_factor`` fixes the RoPE scaling factor (default: ``max(1, L / training length)``).
     """
     lengths = check_lengths(lengths)
     tokens = check_int("tokens", tokens, 1)
@@ -309,14 +323,28 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
     if limit is not None and max(lengths) > limit:
         raise ValueError(f"lengths (--lengths): evaluation length {max(lengths)} exceeds model.max_seq_len={limit}; "
                          f"allowed: lengths up to {limit}")
-    mode = WINDOW_MODE if dense_window else reach
+    kind = resolve_mode(mode, dense_window=dense_window)
+    dense_window = kind == "window"
+    scaling = kind if kind in SCALING_KINDS[1:] else None
+    if rope_factor is not None and scaling is None:
+        raise ValueError(f"rope_factor (--rope-factor) applies to the RoPE scaling modes "
+                         f"({', '.join(SCALING_KINDS[1:])}), not to mode {kind!r}; got {rope_factor!r}")
+    if rope_factor is not None:
+        rope_factor = check_factor(rope_factor, "rope_factor (--rope-factor)")
     if dense_window and train_len is None:
         raise ValueError("dense_window needs a model with cfg.seq_len (the training length)")
+    if scaling and train_len is None:
+        raise ValueError(f"mode {scaling!r} needs a model with cfg.seq_len (the training length)")
     device = _model_device(model)
-    report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach, "mode": mode,
+    report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach,
+                                  "mode": mode_name(kind, reach, rope_factor), "eval_mode": kind,
+                                  "rope_scaling": scaling, "rope_factor": rope_factor,
                                   "dense_window": train_len if dense_window else None, "batch_size": batch_size,
                                   "buckets": buckets, "precision": precision, "device": str(device),
                                   "train_len": train_len})
+    if scaling and any(getattr(m, "attention", None) == "sparse" for m in model.modules()):
+        report.settings["scaling_note"] = (f"RoPE scaling {scaling} on a sparse model: the angles of the attended "
+                                           f"distances change (method.md §7)")
     was_training = model.training
     model.eval()
     window = dense_window_mode(model, train_len) if dense_window else contextlib.nullcontext()
@@ -340,7 +368,9 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
     report.datasets[name] = {"tokens": n, "bytes": nbytes, "sha256": sha, "first": 1, "last": n}
     for length in lengths:
         t0 = time.perf_counter()
-        pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device)
+        with rope_scaling_mode(model, s["rope_scaling"] or "none", s["rope_factor"], length=length,
+                               original_len=s["train_len"]) as sc:
+            pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device)
         if int(pos_count.sum()) != n:                                  # each target once, at every length
             raise RuntimeError(f"internal error: length {length} scored {int(pos_count.sum())} targets, not {n}")
         total = float(pos_sum.sum())
@@ -350,7 +380,8 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
                          bpb=bits_per_byte(total, nbytes) if nbytes else None, bytes=nbytes,
                          dense_window=s["dense_window"], train_len=s["train_len"], scored_sha256=sha,
                          buckets=position_buckets(pos_sum, pos_count, buckets),
-                         seconds=round(time.perf_counter() - t0, 3))
+                         seconds=round(time.perf_counter() - t0, 3), rope_scaling=s["rope_scaling"],
+                         rope_factor=(sc.factor if sc else 1.0) if s["rope_scaling"] else None)
         report.records.append(rec)
         log.info("fibattn eval: %s @ %d (%s): ppl %.3f over %d tokens in %.1fs", name, length, rec.mode, rec.ppl, n,
                  rec.seconds)

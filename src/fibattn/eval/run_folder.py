@@ -4,8 +4,9 @@ Outputs (all atomic):
 
 - ``RUN/eval.json`` (or ``--json OUT``): merged with what is there; a new result replaces
   the old one with the same ``(dataset, length, mode)``; ``mode`` is the reach
-  (``study`` | ``train``) or ``dense-window``. Each result holds ppl, bpb, the scored token
-  count and hash, and the per-position loss buckets.
+  (``study`` | ``train``), ``dense-window``, or the reach with a RoPE scaling (``study+yarn``,
+  ``train+ntk@4``: :func:`fibattn.eval.modes.mode_name`), so every mode's results sit side by side.
+  Each result holds ppl, bpb, the scored token count and hash, and the per-position loss buckets.
 - the results DB (``eval_results``; default ``<parent of RUN>/results.sqlite``, as the
   trainer's): one row per result, ``reach`` column = ``mode``, the rest of the record as JSON.
 - ``RUN/eval_positions_<mode>.png``: per-position loss, one panel per dataset, one line per length.
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from . import perplexity as E
+from .modes import SCALING_KINDS, check_factor, resolve_mode
 from ..devices import resolve_device
 from ..files import atomic_write_text, check_creatable, naming_os_errors
 from ..storage.runs import EVAL_JSON, read_eval_doc
@@ -144,8 +146,13 @@ def _db_path(db: str, run_dir: Path, cfg):
 def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=None, reach=None,
                  dense_window: bool = False, batch_size=None, device: str | None = None, precision: str = "auto",
                  data=None, json_out=None, db: str = "", plot: bool = True, buckets: int = 32,
-                 alpha_report: bool = True) -> E.EvalReport:
+                 alpha_report: bool = True, mode: str | None = None, rope_scaling: str | None = None,
+                 rope_factor: float | None = None) -> E.EvalReport:
     """Evaluate a run folder's checkpoint; settings default to the run's ``eval`` config.
+
+    ``mode``: ``none | linear | ntk | yarn | window`` (:mod:`fibattn.eval.modes`); ``rope_scaling``
+    (a scaling kind) and ``dense_window=True`` (``window``) are other spellings of it. Each mode's
+    results are stored under their own name (``report.settings["mode"]``), beside the others.
 
     ``db``: ``""`` (the run's results DB), a path, or ``"off"``. ``data``: a prepared
     data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
@@ -162,6 +169,12 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
         E.check_lengths(lengths)
     if reach is not None and reach not in E.REACH_MODES:
         raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
+    kind = resolve_mode(mode, rope_scaling=rope_scaling, dense_window=dense_window)     # bad modes fail first
+    if rope_factor is not None:
+        check_factor(rope_factor, "--rope-factor")
+        if kind not in SCALING_KINDS[1:]:
+            raise ValueError(f"--rope-factor applies to the RoPE scaling modes ({', '.join(SCALING_KINDS[1:])}), "
+                             f"not to mode {kind!r}; got {rope_factor!r}")
     if device is not None:
         resolve_device(device)                                   # a bad --device fails before loading
     if is_export(folder):
@@ -186,7 +199,7 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     report = E.evaluate(model, {n: td.val_tokens(n) for n in names}, lengths or ev.lengths,
                         tokens=tokens if tokens is not None else ev.tokens, reach=reach or ev.reach,
                         batch_size=batch_size if batch_size is not None else ev.batch_size,
-                        dense_window=dense_window, tokenizer=tokenizer or getattr(td, "tokenizer", None),
+                        mode=kind, rope_factor=rope_factor, tokenizer=tokenizer or getattr(td, "tokenizer", None),
                         buckets=buckets, precision=prec)
     run = run_key(folder)
     report.settings.update(run=run, step=ck_step, run_dir=str(folder))
@@ -236,7 +249,8 @@ def _load_export(folder: Path, step, data):
             cfg.eval = from_dict({"eval": dict(saved)}).eval
             validate_eval(cfg.eval)
         except (ConfigError, TypeError, ValueError) as exc:
-            raise ExportError(f"{folder}: config.json field 'eval' is not a valid fibattn eval config ({exc})") from None
+            raise ExportError(f"{folder}: config.json field 'eval' is not a valid fibattn eval config "
+                              f"({exc})") from None
     cfg.train.results_db, cfg.train.device = "off", "auto"
     source_step = (bundle.meta.get("source") or {}).get("step")
     return bundle.model, cfg, bundle.tokenizer, source_step, folder
@@ -248,7 +262,8 @@ def _check_data_matches(td, cfg, ckpt: Path) -> None:
     vocab = getattr(td, "vocab_size", None)
     if vocab is not None and vocab > cfg.model.vocab_size:
         raise ValueError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
-                         f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's tokenizer")
+                         f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's "
+                         f"tokenizer")
     want = ((getattr(td, "manifest", None) or {}).get("tokenizer") or {}).get("sha256")
     ck_tok = Path(ckpt) / "tokenizer.json"
     if want and ck_tok.is_file() and tokenizer_sha256(ck_tok) != want:

@@ -18,10 +18,16 @@ with the length, so earlier positions change as ``T`` grows; there the context m
 Batches: each prompt is prefilled alone (rows of equal length together), then rows decode
 together at their own positions; row ``r`` equals a single run of prompt ``r`` with the
 same ``context`` and seed ``seeds[r]`` (an int ``seed`` gives row ``r`` the seed ``seed + r``).
+
+RoPE scaling (method.md §7): ``rope_scaling`` ``linear | ntk | yarn`` is in force during every
+prefill and step (and only then: the model is left as it was between steps), with the factor
+``rope_factor`` or by default ``max(1, context / training length)``; the logits of every step equal
+a full forward pass at ``context`` inside ``rope_scaling_mode(model, kind, factor)``.
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import math
 import numbers
@@ -124,7 +130,8 @@ def _qkv_at(attn, h: torch.Tensor, groups):
 class DecodeSession:
     """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
 
-    def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None):
+    def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None,
+                 rope_scaling=None):
         for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
                 raise ValueError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
@@ -133,7 +140,9 @@ class DecodeSession:
             raise ValueError(f"context {context} (prompt + max_new_tokens) exceeds model.max_seq_len={max_len}")
         if dense_window is not None:
             check_int("dense_window", dense_window, 1)
-        self.model, self.batch, self.context = model, batch, context
+        if rope_scaling is not None and not isinstance(rope_scaling, model.blocks[0].attn.rope.Scaling):
+            raise ValueError(f"DecodeSession rope_scaling must be a RopeScaling or None, got {rope_scaling!r}")
+        self.model, self.batch, self.context, self.rope_scaling = model, batch, context, rope_scaling
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.layers: list[LayerState] = []
@@ -147,6 +156,14 @@ class DecodeSession:
                 cache = RingCache(*dims, min(plan.span, context), dtype=self.dtype, device=self.device)
             self.layers.append(LayerState.build(plan, cache, self.device))
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+
+    def _scaled(self):
+        """The session's RoPE scaling, in force for one prefill or step (a no-op without one)."""
+        stack = contextlib.ExitStack()
+        if self.rope_scaling is not None:
+            for block in self.model.blocks:
+                stack.enter_context(block.attn.rope.scaled(self.rope_scaling))
+        return stack
 
     @property
     def cache_bytes(self) -> int:
@@ -191,8 +208,9 @@ class DecodeSession:
             return self._prefill_core(attn, state, q, k, v)
 
         x = model.embed(ids.to(self.device))
-        for block, state in zip(model.blocks, self.layers):
-            x = block(x, attend=lambda attn, h, state=state: attend(attn, h, state))
+        with self._scaled():
+            for block, state in zip(model.blocks, self.layers):
+                x = block(x, attend=lambda attn, h, state=state: attend(attn, h, state))
         self.pos[rows] = ids.shape[1] - 1
         return model.logits(model.norm(x[:, -1:]))[:, 0].float()
 
@@ -218,8 +236,9 @@ class DecodeSession:
             raise ValueError(f"position {max_pos} is past the context {self.context}")
         B = tokens.shape[0]
         x = model.embed(tokens.to(self.device).view(B, 1))
-        for block, state in zip(model.blocks, self.layers):
-            x = block(x, attend=lambda attn, h, state=state: attend_step(state, *_qkv_at(attn, h, groups), at))
+        with self._scaled():
+            for block, state in zip(model.blocks, self.layers):
+                x = block(x, attend=lambda attn, h, state=state: attend_step(state, *_qkv_at(attn, h, groups), at))
         return model.logits(model.norm(x))[:, 0].float()
 
 
@@ -247,14 +266,17 @@ def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.
 # ----------------------------------------------------------------------------- the API
 def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, stop_ids: Sequence[int] = (), context: int | None = None,
-             dense_window: int | None = None) -> Iterator[GenerationStep]:
+             dense_window: int | None = None, rope_scaling=None, rope_factor: float | None = None
+             ) -> Iterator[GenerationStep]:
     """Stream new tokens for one prompt or a batch of prompts of any lengths.
 
     Yields one :class:`GenerationStep` per step until every row has hit a ``stop_ids``
     token (which is yielded) or ``max_new_tokens`` steps were taken. Arguments are checked
     here, before the first step. ``context`` (default: longest prompt + ``max_new_tokens``)
     fixes the distance sets and cache sizes; ``dense_window`` makes dense layers keep only
-    their last ``w`` positions (an approximation beyond ``w``).
+    their last ``w`` positions (an approximation beyond ``w``). ``rope_scaling``: ``none | linear
+    | ntk | yarn`` (or a :class:`fibattn.model.rope.RopeScaling`), with the factor ``rope_factor``
+    (default: ``max(1, context / training length)``; method.md §7).
     """
     vocab = model.embed.weight.shape[0] if hasattr(model, "embed") else None
     if vocab is None:
@@ -272,9 +294,28 @@ def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float
         context = need
     elif check_int("context", context, 1) < need:
         raise ValueError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
+    scaling = _scaling(model, rope_scaling, rope_factor, context)
     generators = _generators(seed, len(rows))
-    session = DecodeSession(model, len(rows), context, dense_window=dense_window)
+    session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling)
     return _run(session, rows, max_new_tokens, sampling, generators, stops)
+
+
+def _scaling(model, kind, factor, context: int):
+    """The :class:`fibattn.model.rope.RopeScaling` of ``generate``'s options (None: plain RoPE); reached
+    through the model's RoPE module, since this package sits below ``fibattn.model``."""
+    rope = model.blocks[0].attn.rope
+    named = isinstance(kind, str) and kind != "none"
+    if factor is not None and not named:
+        raise ValueError(f"rope_factor applies with rope_scaling linear, ntk or yarn (given as a name), "
+                         f"got rope_scaling={kind!r}, rope_factor={factor!r}")
+    if kind is None or isinstance(kind, rope.Scaling):
+        return kind
+    if not isinstance(kind, str) or kind not in rope.SCALING_KINDS:
+        raise ValueError(f"rope_scaling must be one of {', '.join(rope.SCALING_KINDS)}, got {kind!r}")
+    train_len = getattr(getattr(model, "cfg", None), "seq_len", None)
+    if named and train_len is None:
+        raise ValueError(f"rope_scaling {kind!r} needs the model's training length (model.cfg.seq_len)")
+    return rope.make_scaling(kind, train_len or 1, factor=factor, length=context)
 
 
 @torch.no_grad()

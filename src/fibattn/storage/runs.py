@@ -18,6 +18,7 @@ import torch
 from . import checkpoint as ck
 from .. import config as C
 from ..model.lm import FibLM
+from ..model.rope import SCALING_KINDS
 from ..validation import validate_model
 
 log = logging.getLogger("fibattn")
@@ -47,7 +48,10 @@ def _entry_problem(r) -> str | None:
                           ("bpb", lambda v: v is None or _is_num(v), "a number or null"),
                           ("nll", lambda v: _is_num(v), "a number"),
                           ("tokens", lambda v: _is_int(v), "an integer"),
-                          ("step", lambda v: _is_int(v), "an integer")):
+                          ("step", lambda v: _is_int(v), "an integer"),
+                          ("rope_scaling", lambda v: v is None or v in SCALING_KINDS, "one of "
+                           f"{', '.join(SCALING_KINDS)} or null"),
+                          ("rope_factor", lambda v: v is None or (_is_num(v) and v >= 1), "a number >= 1 or null")):
         if key in r and not ok(r[key]):
             return f"field {key!r} must be {want}, got {r[key]!r:.40}"
     buckets = r.get("buckets", [])
