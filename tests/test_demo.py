@@ -92,9 +92,37 @@ def test_demo_micro_end_to_end(tmp_path, capsys):
     assert "[grid demo] run 2/2 fib_stagger: finished" in out
     assert "Headline check: shakespeare perplexity from 32 to 128 tokens" in out and "Headline: " in out
     assert "cannot show the ordering" in out and "report.html" in out
+    # the dense baselines of the same model, and the sparse model's extra length, in the extrapolation table
+    for row in ("| dense + RoPE linear |", "| dense + RoPE NTK |", "| dense + YaRN |", "| dense + sliding window |"):
+        assert row in out
+    assert "| fib_stagger | " in out and "8192 (256×)" in out and "Beyond the training length" in out
+    assert "dense + YaRN" not in out.split("Headline check")[1]           # the headline judges the runs themselves
+    import sqlite3
+    db = sqlite3.connect(root / "results.sqlite")
+    modes = {m for (m,) in db.execute("SELECT DISTINCT reach FROM eval_results WHERE run = 'dense'")}
+    assert modes == {"study", "study+linear", "study+ntk", "study+yarn", "dense-window"}
     assert cli_main(args) == 0                                     # second call: both runs skipped
     out = capsys.readouterr().out
     assert out.count("done, skipped") == 2 and "step 1/3" not in out
     assert cli_main(args + ["--only", "dense", "--fresh"]) == 0      # forgets and retrains dense only
     out = capsys.readouterr().out
     assert "--fresh: removed 1 earlier run(s)" in out and "step 3/3" in out and "fib_stagger" not in out
+
+
+def test_extrapolation_lines_state_the_numbers():
+    from fibattn.study.report import RunResult
+
+    def run(name, variant, pts, mode=""):
+        return RunResult(name, variant, None if variant.startswith("dense") else 6, train_len=32, mode=mode,
+                         ppl={("s", n): v for n, v in pts.items()})
+    results = [run("dense", "dense", {32: 6.0, 128: 9.0, 2048: 30.0}),
+               run("dense + YaRN", "dense+yarn", {32: 6.0, 128: 6.6, 2048: 12.0}, "yarn"),
+               run("fib", "linear", {32: 6.0, 128: 5.9, 2048: 5.94, 8192: 5.97}),
+               run("pow2", "pow2+fixed", {32: 6.2, 128: 6.2, 2048: 6.51, 8192: 6.82})]
+    lines = D.extrapolation_lines(results, "s")
+    assert lines[1] == "  at 4× (128 tokens), dense from best to worst: dense + YaRN +10.0 %, dense +50.0 %"
+    assert lines[2] == "  at 64× (2048 tokens), dense from best to worst: dense + YaRN +100.0 %, dense +400.0 %"
+    assert lines[3] == "  at 4× (128 tokens), the 2 sparse models: -1.7 % … +0.0 %"
+    assert lines[4] == "  at 64× (2048 tokens), the 2 sparse models: -1.0 % … +5.0 %"
+    assert lines[5].startswith("  at 256× (8192 tokens), the 2 sparse models: -0.5 % … +10.0 % (beyond")
+    assert D.extrapolation_lines(results[2:], "s") == []

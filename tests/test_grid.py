@@ -35,7 +35,8 @@ def test_paper_grid_names_and_settings():
     c = _cfg(grid, "fib_stagger_w12_s43")
     assert c.train.seed == 43 and c.model.window == 12 and c.name == "fib_stagger_w12_s43"
     c = _cfg(grid, "fib_fixed_w6", "/x/root")
-    assert c.train.out_dir == "/x/root/fib_fixed_w6" and c.eval.lengths == [1024, 2048, 4096]
+    assert c.train.out_dir == "/x/root/fib_fixed_w6" and c.eval.lengths == [1024, 4096, 16384, 65536]
+    assert c.eval.sparse_lengths == [262144] and c.eval.dense_modes == ["linear", "ntk", "yarn", "window"]
     assert c.model.seq_len == 1024 and c.train.seed == 42 and c.data.tokenizer == "bpe"
     assert {s.name for s in c.data.sources} >= {"fineweb_edu", "wikipedia", "tinystories"}
 
@@ -47,7 +48,8 @@ def test_demo_grid_uses_demo_setting():
     c = _cfg(grid, "fib_stagger", "/r")
     setting = dict(s.split("=", 1) for s in G.demo_setting())
     assert c.model.seq_len == int(setting["model.seq_len"]) and c.train.steps == int(setting["train.steps"])
-    assert c.eval.lengths[0] == c.model.seq_len and c.eval.lengths[-1] == 4 * c.model.seq_len
+    T = c.model.seq_len                                 # 1×, 4×, 16×, 64×; sparse also 256×
+    assert c.eval.lengths == [T, 4 * T, 16 * T, 64 * T] and c.eval.sparse_lengths == [256 * T]
     assert c.data.out_dir == "/r/data/shakespeare-byte" and c.data.sources[0].kind == "bundled"
     g2 = G.build_grid("demo", sets=["data.out_dir=/shared/d"])
     assert _cfg(g2, "dense", "/r").data.out_dir == "/shared/d"              # --set wins over the root default

@@ -123,6 +123,9 @@ class EvalConfig:
     datasets: list = field(default_factory=list)    # empty: every validation split
     batch_size: int = 4
     reach: str = "study"
+    sparse_lengths: list = field(default_factory=list)   # more lengths for sparse models only (dense would not fit)
+    dense_modes: list = field(default_factory=list)      # dense baselines of the same trained model (method.md §7):
+                                                          # linear | ntk | yarn | window, each at every eval.lengths
 
 
 @dataclass

@@ -22,7 +22,8 @@ def _need(ok: bool, msg: str):
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
                list: "a list"}
-_ELEMENTS = {"base_values": int, "alphas": float, "lengths": int, "datasets": str}   # list fields' items
+_ELEMENTS = {"base_values": int, "alphas": float, "lengths": int, "datasets": str, "sparse_lengths": int,
+             "dense_modes": str}   # list fields' items
 
 
 def _is(value, kind) -> bool:
@@ -211,6 +212,11 @@ def validate_eval(e: EvalConfig) -> None:
     _int_at_least(e, "eval", "tokens", 1)
     _int_at_least(e, "eval", "batch_size", 1)
     _choice(e, "eval", "reach", ("study", "train"))
+    _need(all(n >= 1 for n in e.sparse_lengths), f"eval.sparse_lengths must hold positive integers, got "
+          f"{show_value(e.sparse_lengths)}")
+    baselines = ("linear", "ntk", "yarn", "window")
+    for m in e.dense_modes:
+        _need(m in baselines, f"eval.dense_modes items must be {', '.join(baselines)}, got {show_value(m)}")
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -5,7 +5,7 @@ import os
 
 from ..files import check_creatable
 from ..study import report as Rp
-from ..study.demo import NOTE, RETROFIT_NOTE, forget_runs, headline_lines, retrofit_lines
+from ..study.demo import NOTE, RETROFIT_NOTE, extrapolation_lines, forget_runs, headline_lines, retrofit_lines
 from ..study.grid import build_grid
 from ..study.runner import run_grid
 
@@ -45,7 +45,9 @@ def run(args) -> int:
     print(f"fibattn demo: {len(grid.runs)} runs ({', '.join(grid.names())}) under {root}\n"
           f"  {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, trained at {T} tokens for "
           f"{cfg.train.steps} steps × {cfg.train.batch_tokens} tokens on the bundled corpus, device "
-          f"{cfg.train.device}; evaluated at {', '.join(map(str, lengths))} tokens", flush=True)
+          f"{cfg.train.device}; evaluated at {', '.join(map(str, lengths))} tokens"
+          + (f" (sparse also {', '.join(map(str, cfg.eval.sparse_lengths))})" if cfg.eval.sparse_lengths else "")
+          + (f"; dense also {', '.join(cfg.eval.dense_modes)}" if cfg.eval.dense_modes else ""), flush=True)
     if args.fresh:
         removed = forget_runs(grid, root)
         print(f"--fresh: removed {len(removed)} earlier run(s) under {root}" if removed else
@@ -61,6 +63,10 @@ def run(args) -> int:
     for table in files.tables:
         if table.title.startswith(shown):
             print(table.markdown(), end="\n\n")
+    if not args.retrofit and files.datasets:
+        lines = extrapolation_lines(files.results, files.datasets[0])
+        if lines:
+            print("\n".join(lines) + "\n")
     if args.retrofit:
         print("\n".join(retrofit_lines(files)))
     elif files.checks and files.factor:

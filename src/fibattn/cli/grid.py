@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..files import check_creatable
 from ..study import runner as R
+from ..study.commands import commands
 from ..study.grid import GRIDS, build_grid
 
 
@@ -40,7 +41,7 @@ def run(args) -> int:
     if args.gpus_per_run < 1:
         raise ValueError(f"--gpus-per-run must be >= 1, got {args.gpus_per_run}")
     if args.print_commands:
-        print(R.commands(grid, root, args.print_commands, gpus=args.gpus_per_run, only=args.only), end="")
+        print(commands(grid, root, args.print_commands, gpus=args.gpus_per_run, only=args.only), end="")
         return 0
     devices = parse_devices(args.devices)
     if args.dry_run:

@@ -6,7 +6,8 @@
 
 Trains the ``demo`` grid (:func:`fibattn.study.grid.demo_grid`; its setting is
 :func:`fibattn.study.grid.demo_setting`): dense attention and six sparse variants, evaluates each at
-1× and 4× the training length, writes the report (:mod:`fibattn.study.report`) and states the
+1×, 4×, 16× and 64× the training length (sparse also 256×; the dense model also with RoPE scaling
+and a sliding window, method.md §7), writes the report (:mod:`fibattn.study.report`) and states the
 headline check: dense perplexity must rise by >= 50 % at 4×, each sparse variant must stay
 within ± 5 %. Re-running skips finished runs and resumes interrupted ones.
 """
@@ -52,6 +53,39 @@ def retrofit_lines(files) -> list[str]:
     lines = [f"Retrofit check ({files.datasets[0]}):"]
     lines += [f"  {'PASS' if ok else 'FAIL'}  {name:<{w}}  {detail}" for name, ok, detail in checks]
     lines.append(f"Retrofit: {sum(ok for _, ok, _ in checks)}/{len(checks)} PASS")
+    return lines
+
+
+def extrapolation_lines(results, dataset: str) -> list[str]:
+    """What the extrapolation table shows, in numbers: each dense mode's change from 1× at 4× and at
+    the longest multiple a dense model was evaluated at, and the sparse models' range there and beyond."""
+    rows = [r for r in results if r.ppl and not r.init_from]
+    dense = [r for r in rows if r.variant.startswith("dense")]
+    sparse = [r for r in rows if not r.variant.startswith("dense")]
+    if not dense or not sparse:
+        return []
+    T = dense[0].train_len
+
+    def change(r, mult):
+        return Rp.pct_change(r.get(dataset, T), r.get(dataset, mult * T))
+
+    def mults(group):
+        return sorted({n // T for r in group for d, n in r.ppl if d == dataset and n % T == 0 and n > T})
+
+    far = max(mults(dense), default=None)
+    if far is None:
+        return []
+    shown = [m for m in (4, far) if m in mults(dense)]
+    lines = [f"Beyond the training length ({dataset}, change from 1×):"]
+    for m in shown:
+        parts = ", ".join(f"{r.name} {Rp.fmt_pct(change(r, m))}" for r in sorted(dense, key=lambda r: change(r, m)
+                                                                                    if change(r, m) is not None else 1e9))
+        lines.append(f"  at {m}× ({m * T} tokens), dense from best to worst: {parts}")
+    for m in sorted(set(shown) | set(mults(sparse))):
+        ch = [c for c in (change(r, m) for r in sparse) if c is not None]
+        if ch and (m in shown or m > far):
+            lines.append(f"  at {m}× ({m * T} tokens), the {len(ch)} sparse models: {Rp.fmt_pct(min(ch))} … "
+                         f"{Rp.fmt_pct(max(ch))}" + (" (beyond what the dense model was evaluated at)" if m > far else ""))
     return lines
 
 

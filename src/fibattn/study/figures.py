@@ -26,7 +26,7 @@ def ppl_vs_length(results, datasets: list[str], path) -> Path | None:
             pts = sorted((n, v) for (ds, n), v in r.ppl.items() if ds == d)
             if pts:
                 series.append(Series(_label(r), [n for n, _ in pts], [v for _, v in pts], marker="o",
-                                     linestyle="--" if r.variant == "dense" else "-"))
+                                     linestyle="--" if r.variant.startswith("dense") else "-"))
         if series:
             T = results[0].train_len if results else None
             panels.append(Panel(f"{d}: perplexity vs evaluation length", "evaluation length (tokens)", "perplexity",
@@ -48,7 +48,7 @@ def per_position(results, dataset: str, path) -> Path | None:
             if buckets:
                 xs = [(b["start"] + b["end"] - 1) / 2 + 1 for b in buckets]
                 series.append(Series(_label(r), xs, [b["loss"] for b in buckets], marker=".",
-                                     linestyle="--" if r.variant == "dense" else "-"))
+                                     linestyle="--" if r.variant.startswith("dense") else "-"))
         if series:
             T = results[0].train_len if results else None
             panels.append(Panel(f"{dataset}, windows of {n}", "position in window (1-based)", "mean loss (nats)",
@@ -93,7 +93,7 @@ def layer_distances(r, seq_len: int | None = None) -> list[list[int]]:
 def _pick_per_variant(results) -> list:
     chosen: dict = {}
     for r in results:
-        if r.model is None or r.variant == "dense":
+        if r.model is None or r.variant.startswith("dense"):
             continue
         if r.variant not in chosen or (r.window or 0) > (chosen[r.variant].window or 0):
             chosen[r.variant] = r

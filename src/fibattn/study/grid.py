@@ -31,7 +31,9 @@ from ..validation import validate
 def demo_setting() -> list[str]:
     """The demo's setting: overrides on top of the ``tiny`` preset (tune here, in one place).
 
-    Trained at 32 tokens, evaluated at 1× and 4× (32, 128): 500 steps × 2048 tokens of a
+    Trained at 32 tokens, evaluated at 1×, 4×, 16× and 64× (32 … 2048; sparse models also at
+    256× = 8192), the dense model also with RoPE scaling (linear, NTK, YaRN) and a sliding window
+    (method.md §7): 500 steps × 2048 tokens of a
     5-layer, d_model 96 model (5 layers so that coprime differs from linear: stride 2).
     fib base K=7 (1..21): at alpha 1.5 the longest distance, 32, is beyond the training
     cap, so every sparse distance used at 128 was already used in training; the pow2
@@ -46,7 +48,8 @@ def demo_setting() -> list[str]:
         "train.steps=500", "train.batch_tokens=2048", "train.micro_batch=64", "train.lr=3e-3",
         "train.warmup_steps=30", "train.log_every=50", "train.ckpt_every=250", "train.eval_every=0",
         "train.eval_tokens=8192",
-        "eval.lengths=[32,128]", "eval.tokens=65536", "eval.batch_size=32",
+        "eval.lengths=[32,128,512,2048]", "eval.sparse_lengths=[8192]", "eval.dense_modes=linear,ntk,yarn,window",
+        "eval.tokens=65536", "eval.batch_size=32",
     ]
 
 
@@ -149,8 +152,13 @@ def paper_runs(preset: str = "paper", setting: tuple[str, ...] = ()) -> list[Gri
     return runs
 
 
+# 1×, 4×, 16×, 64× the training length (sparse models also 256×), dense also in every baseline mode
+PAPER_EVAL = ("eval.lengths=[1024,4096,16384,65536]", "eval.sparse_lengths=[262144]",
+              "eval.dense_modes=linear,ntk,yarn,window")
+
+
 def paper_grid() -> Grid:
-    runs = paper_runs()
+    runs = paper_runs(setting=PAPER_EVAL)
     base = {r.name: r for r in runs}
     w12 = [f"fib_{tag}_w12" for tag in SCHEDULE_TAGS.values()] + ["logsparse_stagger_w12"]
     for seed in REPLICATE_SEEDS:

@@ -46,6 +46,7 @@ class RunResult:
     model: object = None             # the run's ModelConfig (for the distance picture)
     alpha_line: str = ""             # learned runs: the alpha report's "largest move" line
     steps: int = 0                   # training steps
+    mode: str = ""                   # a dense baseline mode of the same model (eval.dense_modes); "" = its own
     init_from: str = ""              # the grid run whose weights started this one (retrofit), if any
 
     def get(self, dataset: str, length: int) -> float | None:
@@ -261,7 +262,26 @@ def collect(grid, root) -> list[RunResult]:
             r.alphas = [float(a) for a in doc["alphas"].get("end", [])] or None
             r.alpha_line = doc["alphas"].get("largest_move_line", "")
         out.append(r)
+        if m.attention == "dense":
+            out += _baselines(run, cfg)
     return out
+
+
+BASELINE_LABELS = {"linear": "RoPE linear", "ntk": "RoPE NTK", "yarn": "YaRN", "window": "sliding window"}
+
+
+def _baselines(run, cfg) -> list[RunResult]:
+    """One row per ``eval.dense_modes`` entry of a dense run: the same model evaluated in that mode."""
+    from ..eval.modes import mode_name
+    from .runner import db_path
+    m, rows = cfg.model, []
+    for dm in cfg.eval.dense_modes:
+        r = RunResult(f"{run.name} + {BASELINE_LABELS.get(dm, dm)}", f"dense+{dm}", None, cfg.train.seed, m.seq_len,
+                      model=m, steps=cfg.train.steps, mode=dm)
+        for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode_name(dm, cfg.eval.reach)):
+            r.ppl[(dataset, length)] = ppl
+        rows.append(r)
+    return rows
 
 
 # ------------------------------------------------------------------------------ the report
@@ -290,7 +310,8 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     blocks: list = [Text(f"Grid `{grid_name}`: {len(done)} of {len(results)} runs evaluated. Perplexity is token-level "
                          f"(exp of the mean loss over every position of back-to-back windows; the same tokens at "
                          f"every length). Datasets: {', '.join(d if abbrev(d) == d else f'{abbrev(d)} = {d}' for d in datasets)}.")]
-    tables = [main_table(done, datasets)] if done else []
+    own = [r for r in done if not r.mode]           # the dense baselines go to the extrapolation table only
+    tables = [main_table(own, datasets)] if own else []
     study = study_table(results)
     if study is not None:
         tables.append(study)
@@ -301,7 +322,7 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
         tables.append(seeds)
     checks, factor = [], headline_factor(done)
     if factor and datasets:
-        checks = headline_check(primary(done), datasets[0], factor)
+        checks = headline_check(primary(own), datasets[0], factor)
         tables.append(check_table(checks, datasets[0], factor))
     from .retrofit_report import retrofit_table, retrofits
     retro = retrofits(done)

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import queue
-import shlex
 import subprocess
 import sys
 import threading
@@ -39,7 +38,8 @@ log = logging.getLogger("fibattn")
 RUNTIME_KEYS = {"name", "train.out_dir", "train.results_db", "train.threads", "train.device", "train.log_every",
                 "train.ckpt_every", "train.keep_ckpts", "train.tensorboard", "train.wandb", "train.wandb_project",
                 "train.compile", "train.micro_batch", "train.max_bad_steps", "model.backend", "data.out_dir",
-                "eval.batch_size", "eval.lengths", "eval.tokens", "eval.datasets"}
+                "eval.batch_size", "eval.lengths", "eval.tokens", "eval.datasets", "eval.sparse_lengths",
+                "eval.dense_modes"}
 
 
 @dataclass
@@ -106,16 +106,40 @@ def eval_reach(cfg: RunConfig) -> str:
     return cfg.eval.reach
 
 
+def eval_plan(cfg: RunConfig) -> list[tuple[str, str, list[int]]]:
+    """``(mode, recorded mode name, lengths)`` a grid evaluates for a run: its own mode at ``eval.lengths``
+    (a sparse model also at ``eval.sparse_lengths``), and a dense model in each of ``eval.dense_modes``."""
+    from ..eval.modes import mode_name
+    reach = eval_reach(cfg)
+    dense = cfg.model.attention == "dense"
+    own = list(cfg.eval.lengths) + ([] if dense else [n for n in cfg.eval.sparse_lengths if n not in cfg.eval.lengths])
+    plan = [("none", reach, own)]
+    if dense:
+        plan += [(m, mode_name(m, reach), list(cfg.eval.lengths)) for m in cfg.eval.dense_modes]
+    return plan
+
+
+def missing_evals(cfg: RunConfig) -> list[tuple[str, str, list[int]]]:
+    """:func:`eval_plan` less what the results database already holds."""
+    path, name = db_path(cfg), Path(cfg.train.out_dir).name
+    out = []
+    for mode, recorded, lengths in eval_plan(cfg):
+        have = evaluated_lengths(path, name, recorded)
+        todo = [n for n in lengths if n not in have]
+        if todo:
+            out.append((mode, recorded, todo))
+    return out
+
+
 def run_state(run: GridRun, cfg: RunConfig) -> RunState:
     check_same_settings(cfg)
     path, name = db_path(cfg), Path(cfg.train.out_dir).name
     status = run_status(path, name)
-    have = evaluated_lengths(path, name, eval_reach(cfg))
-    missing = [n for n in cfg.eval.lengths if n not in have]
+    missing = missing_evals(cfg) if status == "finished" else []
     if status == "finished" and not missing:
         return RunState(run, cfg, "done")
     if status == "finished":
-        return RunState(run, cfg, "evaluate", f"missing lengths {missing}")
+        return RunState(run, cfg, "evaluate", "missing " + "; ".join(f"{r} {n}" for _, r, n in missing))
     ckpts = Path(cfg.train.out_dir) / "checkpoints"
     if status is not None or (ckpts.is_dir() and any(ckpts.iterdir())):
         return RunState(run, cfg, "resume", f"last status {status or 'unknown'}")
@@ -139,13 +163,18 @@ def describe(grid: Grid, root) -> str:
 
 
 # ------------------------------------------------------------------------------ one run
-def evaluate_config(cfg: RunConfig) -> None:
-    """Evaluate a trained run at ``cfg.eval`` and record it (``RUN/eval.json`` + the database)."""
+def evaluate_config(cfg: RunConfig, *, mode: str = "none", lengths: list[int] | None = None) -> None:
+    """Evaluate a trained run in ``mode`` at ``lengths`` (default ``eval.lengths``) and record it
+    (``RUN/eval.json`` + the database). The token budget is rounded to a multiple of the longest length
+    the grid evaluates at all, so calls for a few lengths score the same targets as one call for all
+    (when the lengths divide each other, as the grids' multiples of the training length do)."""
     from ..eval.run_folder import evaluate_run
-    evaluate_run(cfg.train.out_dir, lengths=list(cfg.eval.lengths), tokens=cfg.eval.tokens,
+    longest = max([*cfg.eval.lengths, *cfg.eval.sparse_lengths])
+    tokens = max(longest, cfg.eval.tokens // longest * longest)
+    evaluate_run(cfg.train.out_dir, lengths=list(lengths or cfg.eval.lengths), tokens=tokens,
                  datasets=list(cfg.eval.datasets) or None, batch_size=cfg.eval.batch_size, reach=cfg.eval.reach,
                  device=cfg.train.device, precision=cfg.train.precision, data=cfg.data.out_dir,
-                 db=str(db_path(cfg)))
+                 db=str(db_path(cfg)), mode=mode, plot=mode == "none")
 
 
 def execute(state: RunState, say: Callable[[str], None]) -> None:
@@ -158,8 +187,9 @@ def execute(state: RunState, say: Callable[[str], None]) -> None:
             raise GridStopped(f"training of {state.run.name} {result.status} at step {result.step}/"
                               f"{cfg.train.steps} (checkpointed)")
     if is_main_rank():
-        say(f"evaluating {state.run.name} at lengths {list(cfg.eval.lengths)}")
-        evaluate_config(cfg)
+        for mode, recorded, lengths in missing_evals(cfg):
+            say(f"evaluating {state.run.name} at lengths {lengths}" + ("" if mode == "none" else f" ({recorded})"))
+            evaluate_config(cfg, mode=mode, lengths=lengths)
 
 
 def prepare_data(rows: list[RunState], progress: bool = True) -> None:
@@ -336,59 +366,3 @@ def _run_parallel(grid, root, todo, devices, prog: Progress, summary: GridSummar
 
     with ThreadPoolExecutor(max_workers=len(devices)) as pool:
         list(pool.map(work, todo))
-
-
-# ------------------------------------------------------------------------------ commands
-def _cd_line() -> str:
-    return f"cd {shlex.quote(str(Path.cwd()))}"
-
-
-def _grid_args(grid: Grid, root: Path) -> str:
-    args = ["--root", str(root.resolve())]
-    if grid.extend_file:
-        args += ["--extend", grid.extend_file]
-    for item in grid.sets:
-        args += ["--set", item]
-    return " ".join(shlex.quote(a) for a in args)
-
-
-def _launcher(gpus: int) -> str:
-    return (f"torchrun --standalone --nproc_per_node={gpus} -m fibattn.cli" if gpus > 1
-            else "python -m fibattn.cli")
-
-
-def commands(grid: Grid, root, kind: str, *, gpus: int = 1, only: str | None = None) -> str:
-    """``torchrun`` commands (one per run) or a Slurm array script for ``grid``."""
-    root = Path(root)
-    extra = _grid_args(grid, root)
-    names = grid.names()
-    prep = f"python -m fibattn.cli grid {grid.name} {extra} --prepare-only" + (
-        f" --only {shlex.quote(only)}" if only else "")
-    if kind == "torchrun":
-        lines = [f"# fibattn grid {grid.name}: {len(names)} runs under {root.resolve()}; each command trains with "
-                 f"DDP on {gpus} GPU(s), evaluates on rank 0 and records the run; re-running skips finished runs.",
-                 f"# prepare the data once first: {prep}", _cd_line()]
-        for r in grid.runs:
-            lines.append(f"# {r.name}: preset {r.preset}, seed {r.seed}: {' '.join(r.overrides)}")
-            lines.append(f"torchrun --standalone --nproc_per_node={gpus} -m fibattn.cli grid {grid.name} {extra} "
-                         f"--only {r.name}")
-        return "\n".join(lines) + "\n"
-    if kind != "slurm":
-        raise ValueError(f"--print-commands must be torchrun or slurm, got {kind!r}")
-    logs = root.resolve() / "slurm"
-    lines = ["#!/bin/bash",
-             f"# fibattn grid {grid.name}: one Slurm array task per run ({len(names)} runs) under {root.resolve()}.",
-             f"# Prepare the data once before submitting: {prep}",
-             f"# Create the log folder first: mkdir -p {shlex.quote(str(logs))}",
-             "# Resubmitting skips finished runs; an interrupted run resumes from its newest checkpoint.",
-             "# Add --time / --partition / --account lines for your cluster.",
-             f"#SBATCH --job-name=fibattn-{grid.name}",
-             f"#SBATCH --array=0-{len(names) - 1}",
-             "#SBATCH --nodes=1", "#SBATCH --ntasks=1", f"#SBATCH --gpus={gpus}",
-             f"#SBATCH --cpus-per-task={8 * gpus}",
-             f"#SBATCH --output={logs}/%x-%A_%a.out",
-             "#SBATCH --signal=TERM@120      # training checkpoints and stops on SIGTERM",
-             "set -euo pipefail", _cd_line(), "RUNS=(", *[f"  {n}" for n in names], ")",
-             'RUN="${RUNS[$SLURM_ARRAY_TASK_ID]}"',
-             f'{_launcher(gpus)} grid {grid.name} {extra} --only "$RUN"']
-    return "\n".join(lines) + "\n"
