@@ -41,6 +41,7 @@ class Panel:
     hline: float | None = None      # a dotted reference line (e.g. chance level, or the start alpha)
     hline_label: str = ""
     logx: bool = False
+    logy: bool = False
     ylim: tuple | None = None       # (low, high)
     vline: float | None = None      # a dashed vertical marker (e.g. the training length)
     vline_label: str = ""
@@ -75,10 +76,19 @@ def require():
 
 
 def _draw_line(ax, panel: Panel) -> None:
-    for s in panel.series:
-        ax.plot(list(s.x), list(s.y), label=s.label, marker=s.marker or None, linestyle=s.linestyle)
+    import matplotlib
+    many = len(panel.series) > 10          # the default cycle repeats after 10: every line its own colour
+    colors = matplotlib.colormaps["tab20"].colors if many else [None] * len(panel.series)
+    for s, c in zip(panel.series, colors):
+        ax.plot(list(s.x), list(s.y), label=s.label, marker=s.marker or None, linestyle=s.linestyle, color=c)
     if panel.logx:
         ax.set_xscale("log", base=2)
+    if panel.logy:
+        from matplotlib.ticker import FuncFormatter
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")           # 40, not 4×10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
 
 
 def _draw_bar(ax, panel: Panel) -> None:
@@ -120,7 +130,10 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
             ax.set_ylabel(panel.ylabel)
             ax.grid(True, alpha=0.3)
             if panel.series and (len(panel.series) > 1 or panel.hline_label or panel.vline_label):
-                ax.legend(fontsize=7)
+                if len(panel.series) > 6:          # beside the axes: a long legend would hide the lines
+                    ax.legend(fontsize=7, bbox_to_anchor=(1.02, 1), loc="upper left", borderaxespad=0)
+                else:
+                    ax.legend(fontsize=7)
         if suptitle:
             fig.suptitle(suptitle, fontsize=11)
     except BaseException:

@@ -30,8 +30,9 @@ def ppl_vs_length(results, datasets: list[str], path) -> Path | None:
         if series:
             T = results[0].train_len if results else None
             panels.append(Panel(f"{d}: perplexity vs evaluation length", "evaluation length (tokens)", "perplexity",
-                                series, logx=True, vline=T, vline_label=f"training length {T}" if T else ""))
-    return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
+                                series, logx=True, logy=True, vline=T,
+                                vline_label=f"training length {T}" if T else ""))
+    return plots.save_panels(path, panels, panel_size=(8.0 if len(results) > 6 else 6.0, 4.2)) if panels else None
 
 
 def per_position(results, dataset: str, path) -> Path | None:
