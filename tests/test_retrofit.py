@@ -115,6 +115,7 @@ def test_the_retrofit_grid_reuses_the_demo_runs_and_derives_its_fine_tunes(tmp_p
     cfg = grid.config(by["retro_stagger_10pct"], tmp_path)
     assert (cfg.train.steps, cfg.train.warmup_steps) == (steps // 10, 5) and cfg.train.lr == pytest.approx(3e-4)
     assert cfg.train.init_from == str(tmp_path.absolute() / "dense") and cfg.model.schedule == "linear"
+    assert cfg.eval.lengths == [32, 128] and cfg.eval.sparse_lengths == []         # the goals' 1× and 4×
     assert grid.report_dir == "report-retrofit" and demo.report_dir == "report"
 
 

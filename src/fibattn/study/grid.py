@@ -193,11 +193,12 @@ def retrofit_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRu
     scratch = [r for r in demo_runs(setting, preset) if r.name in ("dense", "fib_stagger", "fib_fixed")]
     probe = get_preset(preset)
     C.apply_overrides(probe, list(setting))
-    w = probe.model.window
+    w, T = probe.model.window, probe.model.seq_len
+    at = (f"eval.lengths=[{T},{4 * T}]", "eval.sparse_lengths=[]")      # the goals are at 1× and 4×
     runs = list(scratch)
     for schedule, tag in (("linear", "stagger"), ("fixed", "fixed")):
         for f in RETROFIT_FRACTIONS:
-            runs.append(GridRun(f"retro_{tag}_{round(100 * f)}pct", preset, setting + _sparse("fib", schedule, w),
+            runs.append(GridRun(f"retro_{tag}_{round(100 * f)}pct", preset, setting + _sparse("fib", schedule, w) + at,
                                 init_from="dense", init_share=f))
     return runs
 
