@@ -157,7 +157,8 @@ class FibLM(nn.Module):
         strings) it gives the continuation as text, stopping at the end-of-document token, with
         ``tokenizer`` (default: the one :func:`fibattn.from_pretrained` attached). ``kwargs`` are
         :func:`fibattn.generation.decode.generate`'s (``max_new_tokens``, ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop_ids``, ``context``); :meth:`stream` yields the steps as they come.
+        ``top_p``, ``seed``, ``stop_ids``, ``context``, ``rope_scaling``, ``rope_factor``); :meth:`stream`
+        yields the steps as they come.
         """
         from ..generation.decode import generate_tokens
         texts = [prompt] if isinstance(prompt, str) else prompt
