@@ -101,11 +101,18 @@ def _spec_from_config(module) -> LayerSpec | None:
     return spec
 
 
-def _masked(dists: list[int], query, key, value, pad, scaling):
+def _masked(dists, query, key, value, pad, scaling):
     """Attention through the sparse pattern and transformers' boolean mask ``pad`` ``(B, 1, Tq, >= Tk)``
-    (a :class:`~.hf_cache.FibCache` mask spans its longest layer: each layer reads its own tail)."""
+    (a :class:`~.hf_cache.FibCache` mask spans its longest layer: each layer reads its own tail).
+    ``dists``: one distance list for every row, or a function of a row's own length (its real tokens)."""
     tq, tk = query.shape[2], key.shape[2]
-    allowed = _cached_mask(dists, tq, tk, query.device)[None, None] & pad[..., pad.shape[-1] - tk:].to(torch.bool)
+    pad = pad[..., pad.shape[-1] - tk:].to(torch.bool)
+    if callable(dists):     # a padded row's set is that of its real length (a pow2 set changes with it)
+        lengths = pad[:, 0, -1].sum(-1).clamp(min=1).tolist()
+        pattern = torch.stack([_cached_mask(dists(int(n)), tq, tk, query.device) for n in lengths])[:, None]
+    else:
+        pattern = _cached_mask(dists, tq, tk, query.device)[None, None]
+    allowed = pattern & pad
     # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
     empty = ~allowed.any(-1, keepdim=True)
     diag = torch.zeros_like(allowed)
@@ -127,7 +134,9 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     tq, tk = query.shape[2], key.shape[2]
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        out = _masked(dists, query, key, value, attention_mask, scaling)
+        # every key in hand (no FibCache): each row's own length is countable from its mask
+        per_row = spec.distances if not hasattr(key, FIRST_KEY_POSITION) else dists
+        out = _masked(per_row, query, key, value, attention_mask, scaling)
     elif attention_mask is not None:
         raise ValueError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
     elif tq == tk:
