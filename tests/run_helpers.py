@@ -13,3 +13,19 @@ def micro_config(out, data_dir, *, n_layers: int = 1, **train) -> RunConfig:
     cfg.data.out_dir = str(data_dir)
     cfg.train = TrainConfig(out_dir=str(out), **train)
     return cfg
+
+
+def write_checkpoint(run, step: int, model, cfg, *, tokenizer: bool = True):
+    """A verified ``RUN/checkpoints/step-N`` of ``model`` (weights only) with ``cfg`` as its config and,
+    with ``tokenizer``, a byte tokenizer: a run folder without training."""
+    import json
+    from fibattn.config import to_dict
+    from fibattn.data.tokenizers import ByteTokenizer
+    from fibattn.storage import checkpoint as ck
+    root = ck.ckpt_root(run)
+    tmp = ck.begin(root, step)
+    ck.write_tensors(tmp, "model", model.state_dict())
+    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
+    if tokenizer:
+        ByteTokenizer().save(tmp / "tokenizer.json")
+    return ck.finish(root, step)

@@ -10,15 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fibattn.storage import checkpoint as ck
 from fibattn import config as C
 from fibattn.eval import perplexity as E
 from fibattn.config import ModelConfig
 from fibattn.data import ByteTokenizer
-from fibattn.files import atomic_write_text
 from fibattn.model.lm import FibLM
 from fibattn.cli import evaluate as CE
 from fibattn.eval.run_folder import evaluate_run
+from run_helpers import write_checkpoint  # noqa: E402
 
 
 class Unigram(nn.Module):
@@ -180,11 +179,7 @@ def _make_run(tmp_path, schedule="linear", data_dir="nowhere"):
     cfg.train.out_dir = str(run)
     torch.manual_seed(0)
     model = FibLM(cfg.model)
-    root = ck.ckpt_root(run)
-    tmp = ck.begin(root, 7)
-    ck.write_tensors(tmp, "model", model.state_dict())
-    atomic_write_text(tmp / "config.json", json.dumps(C.to_dict(cfg)))
-    ck.finish(root, 7)
+    write_checkpoint(run, 7, model, cfg, tokenizer=False)
     return run, model
 
 

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import fibattn
-from fibattn.storage import checkpoint as ck
 from fibattn.cli import main as cli_main
-from fibattn.config import to_dict
 from fibattn.data.tokenizers import ByteTokenizer
 from fibattn.storage.export import export_run
 from fibattn.storage.pretrained import ExportError, is_export, load_model, load_pretrained, verify_export
 from fibattn.model.lm import FibLM
 from fibattn.presets import tiny
+from run_helpers import write_checkpoint  # noqa: E402
 
 
 def make_run(root, steps=(3, 5), **model_kw):
@@ -25,15 +24,10 @@ def make_run(root, steps=(3, 5), **model_kw):
         setattr(m, k, v)
     cfg.data.out_dir = str(root / "no-data")
     cfg.name = "unit"
-    ckroot = ck.ckpt_root(root)
     for step in steps:
         torch.manual_seed(step)
         model = FibLM(m)
-        tmp = ck.begin(ckroot, step)
-        ck.write_tensors(tmp, "model", model.state_dict())
-        (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
-        ByteTokenizer().save(tmp / "tokenizer.json")
-        ck.finish(ckroot, step)
+        write_checkpoint(root, step, model, cfg)
     (root / "eval.json").write_text(json.dumps({"format": 1, "run": "unit", "results": [
         {"dataset": "shakespeare", "length": 32, "mode": "study", "tokens": 64, "ppl": 12.345, "bpb": 3.6,
          "step": steps[-1]}]}))

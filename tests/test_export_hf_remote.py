@@ -14,14 +14,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 import fibattn  # noqa: E402
-from fibattn.config import to_dict  # noqa: E402
-from fibattn.data.tokenizers import ByteTokenizer  # noqa: E402
 from fibattn.interop import hf_llama as H  # noqa: E402
 from fibattn.interop.hf_export import REMOTE_DIR, export_hf  # noqa: E402
 from fibattn.model.lm import FibLM  # noqa: E402
 from fibattn.presets import tiny  # noqa: E402
 from fibattn.schedules import Base, attended_distances  # noqa: E402
-from fibattn.storage import checkpoint as ck  # noqa: E402
+from run_helpers import write_checkpoint  # noqa: E402
 
 # reach "train" with a base long enough to pass T at 4×; the default reach with pow2 (its rungs grow with T)
 MODELS = {"train": dict(reach="train", base_k=10), "study": dict(base="pow2"), "dense": dict(attention="dense")}
@@ -84,11 +82,7 @@ def make_run(root, **model):
         setattr(m, key, value)
     cfg.name, cfg.data.out_dir = root.name, str(root / "no-data")
     torch.manual_seed(0)
-    tmp = ck.begin(ck.ckpt_root(root), 1)
-    ck.write_tensors(tmp, "model", FibLM(m).state_dict())
-    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
-    ByteTokenizer().save(tmp / "tokenizer.json")
-    ck.finish(ck.ckpt_root(root), 1)
+    write_checkpoint(root, 1, FibLM(m), cfg)
     return root
 
 

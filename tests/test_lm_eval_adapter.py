@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fibattn.storage import checkpoint as ck
-from fibattn.config import ModelConfig, to_dict
+from fibattn.config import ModelConfig
 from fibattn.data.tokenizers import ByteTokenizer
 from fibattn.interop.lm_eval_adapter import FibScorer, run_requests
 from fibattn.model.lm import FibLM
 from fibattn.presets import tiny
+from run_helpers import write_checkpoint  # noqa: E402
 
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"
 
@@ -113,11 +113,7 @@ def _run_folder(root):
     model = small_model(1)
     cfg.model = model.cfg
     cfg.data.out_dir = str(root / "no-data")
-    tmp = ck.begin(ck.ckpt_root(root), 1)
-    ck.write_tensors(tmp, "model", model.state_dict())
-    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
-    ByteTokenizer().save(tmp / "tokenizer.json")
-    ck.finish(ck.ckpt_root(root), 1)
+    write_checkpoint(root, 1, model, cfg)
     return root, model
 
 

@@ -26,7 +26,7 @@ from fibattn.data import pipeline, shards, staging, verified
 from fibattn.data.shards import HEADER_BYTES, write_shard
 from fibattn.data.tokenizers import tokenizer_sha256
 from fibattn.eval import perplexity as E
-from fibattn.files import atomic_write_text
+from run_helpers import write_checkpoint  # noqa: E402
 
 VAL = "val_shakespeare.bin"
 
@@ -124,14 +124,8 @@ def make_run(root: Path, data_dir: Path) -> Path:
     cfg.train.out_dir = str(run)
     cfg.train.results_db = "off"
     from fibattn.model.lm import FibLM
-    from fibattn.storage import checkpoint as ck
     torch.manual_seed(0)
-    model = FibLM(cfg.model)
-    ckroot = ck.ckpt_root(run)
-    tmp = ck.begin(ckroot, 3)
-    ck.write_tensors(tmp, "model", model.state_dict())
-    atomic_write_text(tmp / "config.json", json.dumps(C.to_dict(cfg)))
-    ck.finish(ckroot, 3)
+    write_checkpoint(run, 3, FibLM(cfg.model), cfg, tokenizer=False)
     return run
 
 

@@ -53,14 +53,18 @@ def _good_db(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["corrupted", "read-only"])
-def test_bad_results_db_is_found_before_training(tmp_path, data_dir, capsys, monkeypatch, kind):
-    db = tmp_path / "dbs" / "results.sqlite"
+def _bad_db(monkeypatch, db: Path, kind: str) -> None:
     if kind == "corrupted":
         _garbage_db(db)
     else:
         _good_db(db)
         _read_only(monkeypatch, db)
+
+
+@pytest.mark.parametrize("kind", ["corrupted", "read-only"])
+def test_bad_results_db_is_found_before_training(tmp_path, data_dir, capsys, monkeypatch, kind):
+    db = tmp_path / "dbs" / "results.sqlite"
+    _bad_db(monkeypatch, db, kind)
     out = tmp_path / "runs" / "new"
     cfg = save_cfg(micro(out, data_dir, results_db=str(db)), tmp_path / "cfg.json")
     before = snapshot(tmp_path)
@@ -100,11 +104,7 @@ def test_results_db_failing_during_training_stops_with_a_checkpoint(tmp_path, da
 @pytest.mark.parametrize("kind", ["corrupted", "read-only"])
 def test_bad_results_db_is_found_before_evaluating(tmp_path, run, data_dir, capsys, monkeypatch, kind):
     db = tmp_path / "runs" / "results.sqlite"
-    if kind == "corrupted":
-        _garbage_db(db)
-    else:
-        _good_db(db)
-        _read_only(monkeypatch, db)
+    _bad_db(monkeypatch, db, kind)
     before = snapshot(tmp_path)
     rc, _, err = run_cli(capsys, ["eval", run, "--data", data_dir, "--no-plot", "--db", db, "--device", "cpu"])
     assert_one_line(rc, err, str(db), "--db")
