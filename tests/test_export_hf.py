@@ -59,3 +59,18 @@ def test_export_hf_has_a_model_card(run, tmp_path):
     out = export_hf(run, tmp_path / "hf")
     card = (out / "README.md").read_text()
     assert "hf_llama.from_pretrained" in card and "parameters" in card
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_names_round_trip(tied):
+    from fibattn.config import ModelConfig
+    from fibattn.model.lm import FibLM
+    from fibattn.model.llama_names import from_llama, to_llama
+    m = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, window=2, base_k=4,
+                    tie_embeddings=tied)
+    state = FibLM(m).state_dict()
+    kw = dict(heads=4, kv_heads=2, head_dim=4, tied=tied)
+    llama = to_llama(state, **kw)
+    assert len(llama) == len(state) + tied and "lm_head.weight" in llama
+    back = from_llama(llama, **kw)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

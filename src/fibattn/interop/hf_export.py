@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config import to_dict
-from ..model.rope import interleaved_to_halves
+from ..model.llama_names import to_llama
 from ..storage.checkpoint import Checkpoint
 from ..storage.export import run_card
 from ..storage.runs import find_checkpoint, load_run
@@ -72,22 +72,8 @@ def _require():
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
     """A FibLM's weights under ``LlamaForCausalLM`` names, q/k rows in transformers' RoPE order."""
     m = model.cfg
-    out = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight,
-           "lm_head.weight": model.output_weight}
-    for i, block in enumerate(model.blocks):
-        p, a = f"model.layers.{i}.", block.attn
-        out.update({
-            p + "input_layernorm.weight": block.attn_norm.weight,
-            p + "post_attention_layernorm.weight": block.ffn_norm.weight,
-            p + "self_attn.q_proj.weight": interleaved_to_halves(a.q_proj.weight, m.n_heads, m.head_dim),
-            p + "self_attn.k_proj.weight": interleaved_to_halves(a.k_proj.weight, m.n_kv_heads, m.head_dim),
-            p + "self_attn.v_proj.weight": a.v_proj.weight,
-            p + "self_attn.o_proj.weight": a.o_proj.weight,
-            p + "mlp.gate_proj.weight": block.ffn.gate.weight,
-            p + "mlp.up_proj.weight": block.ffn.up.weight,
-            p + "mlp.down_proj.weight": block.ffn.down.weight,
-        })
-    return {k: v.detach().clone() for k, v in out.items()}
+    return to_llama(model.state_dict(), heads=m.n_heads, kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+                    tied=m.tie_embeddings)
 
 
 def _byte_tokenizer_fast(transformers):

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ..config import ConfigError
-from ..model.rope import halves_to_interleaved
+from ..model.llama_names import from_llama
 from . import checkpoint as ck
 from .pretrained import WEIGHTS, is_export, read_meta, read_verified
 from .runs import checkpoint_config, find_checkpoint, parse_step
@@ -31,10 +31,6 @@ from .runs import checkpoint_config, find_checkpoint, parse_step
 ARCH_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings",
              "rope_theta", "norm_eps")
 LLAMA_TYPES = ("llama", "fibattn_llama")
-_LLAMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-                "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj",
-                "self_attn.v_proj": "attn.v_proj", "self_attn.o_proj": "attn.o_proj",
-                "mlp.gate_proj": "ffn.gate", "mlp.up_proj": "ffn.up", "mlp.down_proj": "ffn.down"}
 _CREATED_OK = re.compile(r"^blocks\.\d+\.attn\.alphas\.theta$|^head\.weight$")   # new in the target model
 _IGNORED_OK = re.compile(r"^blocks\.\d+\.attn\.alphas\.theta$")                   # the source's learned alphas
 
@@ -195,26 +191,8 @@ def _from_transformers(spec: str, path: Path, doc: dict, weights: bool) -> InitS
 
 
 def _llama_to_fib(tensors: dict, arch: dict) -> dict:
-    """transformers Llama names -> FibLM names; q/k rows from rotate-half to interleaved RoPE pairs."""
-    out = {}
-    hd = arch["d_model"] // arch["n_heads"]
-    for name, t in tensors.items():
-        if name == "model.embed_tokens.weight":
-            out["embed.weight"] = t
-        elif name == "model.norm.weight":
-            out["norm.weight"] = t
-        elif name == "lm_head.weight":
-            if not arch["tie_embeddings"]:
-                out["head.weight"] = t
-        elif (m := re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", name)) and m.group(2) in _LLAMA_NAMES:
-            inner = _LLAMA_NAMES[m.group(2)]
-            if inner in ("attn.q_proj", "attn.k_proj"):
-                heads = arch["n_heads"] if inner == "attn.q_proj" else arch["n_kv_heads"]
-                t = halves_to_interleaved(t, heads, hd)
-            out[f"blocks.{m.group(1)}.{inner}.weight"] = t
-        else:
-            out[name] = t                   # reported as ignored (or refused) by load_into
-    return out
+    return from_llama(tensors, heads=arch["n_heads"], kv_heads=arch["n_kv_heads"],
+                      head_dim=arch["d_model"] // arch["n_heads"], tied=arch["tie_embeddings"])
 
 
 # ------------------------------------------------------------------------------ into a model
