@@ -210,7 +210,7 @@ def sweep(r: Runner, summary: dict) -> None:
     """Block rows x warps at T=16384: the data for choosing ``triton_backend.config`` on this GPU."""
     T = "256" if r.quick else "16384"
     results = []
-    for bm, warps in ((8, 4), (8, 8), (16, 4), (16, 8), (32, 8)):
+    for bm, warps in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
         env = {"FIBATTN_TRITON_BLOCK_M": str(bm), "FIBATTN_TRITON_WARPS": str(warps)}
         out = r.run(f"sweep_m{bm}_w{warps}", _fibattn("bench", "attention", "--device", r.device, "--json",
                                                       "--paths", "integer,interpolated", "--no-memory",

@@ -3,20 +3,20 @@
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)`` (any strides; a non-unit stride on
 ``Dh`` is copied once). float16, bfloat16, float32 and float64 inputs; float32
 accumulation (float64 for float64 inputs); outputs and gradients in the input dtype. The
-forward saves ``lse`` ``(B, H, T)`` (float32; float64 for float64 inputs), not the probabilities: the backward
-recomputes them per column, so nothing ``T × C`` is kept between passes.
+forward saves ``lse`` ``(B, H, T)`` (float32; float64 for float64 inputs), not the
+probabilities; the backward's query pass writes the rungs' ``P`` and ``dS`` ``(B·H·T, R)``
+for its key pass (freed when the backward returns).
 
-Three launches per forward (one for the fractional op's column plan, computed on the
-device so that ``alpha`` is never read back to the host), two per backward plus the
-``alpha`` gradient's small reduction. ``T`` is a runtime argument of every kernel.
+One launch per forward (two for the fractional op: its rung plan is computed on the device
+so that ``alpha`` is never read back to the host), two per backward plus the ``alpha``
+gradient's sum. ``T`` is a runtime argument of every kernel.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
 set before fibattn first uses this backend): slow, but exact enough to test against the
 reference without a GPU.
 
-Tile sizes: ``BLOCK_M`` rows per program and ``num_warps`` (see :func:`config`). The
-environment variables ``FIBATTN_TRITON_BLOCK_M`` and ``FIBATTN_TRITON_WARPS`` override
-them (the GPU check script sweeps them).
+Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M`` and
+``FIBATTN_TRITON_WARPS`` override them (the GPU check script sweeps them).
 """
 from __future__ import annotations
 
@@ -82,21 +82,23 @@ def _env_int(key: str, default: int) -> int:
     return value
 
 
-def config(group: int, head_dim: int) -> dict:
-    """Block sizes and warps of a launch (one choice per group size and head size, never per T).
+def config(group: int, head_dim: int, window: int) -> dict:
+    """Tile sizes and warps of a launch (one choice per group size, head size and window, never per T).
 
-    Every program holds a few ``group x rows x Dh`` blocks in registers (q and the output
-    accumulator; q, dout and dq in the backward); about 2048 elements per block over 8
-    warps keeps each kernel under ~130 registers per thread with no spills on sm_90
-    (``tools/triton_resources.py`` prints them).
+    ``BLOCK_M = 16`` rows per program: the rung blocks spend ``M``x the useful products (the
+    block-diagonal mask), and 16 is the least a tensor-core product takes; the ``G`` query
+    heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
+    warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
+    rungs per rung step make a ``G·M × RB·M`` score block.
     """
-    bg, bd = _pow2(group), max(_pow2(head_dim), 2)
-    bm = min(64, max(4, 2048 // (bg * bd)))
-    if interpreting():
-        bm = 64             # the interpreter's cost is per program and per op, not per element
-    bm = _env_int("FIBATTN_TRITON_BLOCK_M", bm)
-    warps = min(8, max(2, bg * bm * bd // 256))
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, num_warps=_env_int("FIBATTN_TRITON_WARPS", warps))
+    bg, bd = _pow2(group), max(_pow2(head_dim), 16)
+    bm = _env_int("FIBATTN_TRITON_BLOCK_M", 16)
+    if bm < 16:
+        raise ValueError(f"FIBATTN_TRITON_BLOCK_M must be at least 16 (a tensor-core product's least size), got {bm}")
+    bn = min(64, max(16, _pow2(bm + window)))
+    warps = 4 if bg * bm <= 64 else 8
+    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, RB=2,
+                num_warps=_env_int("FIBATTN_TRITON_WARPS", warps), num_stages=2)
 
 
 # ----------------------------------------------------------------------------- columns
@@ -105,26 +107,41 @@ def _int_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values or (0,), dtype=torch.int32, device=device)
 
 
+def band_width(dists) -> int:
+    """The band ``0..WB`` of an integer distance list: the longest run of consecutive distances from 0."""
+    present = set(dists)
+    wb = -1
+    while wb + 1 in present:
+        wb += 1
+    return wb
+
+
 def _columns(spec: ColumnSpec, alpha, T: int, device):
-    """``(LO, WLO, WHI, NWIN, TWO_TAP)`` device arrays of ``spec.count`` columns."""
+    """``(rungs, R, WB, TWO_TAP)``: the rungs' device arrays ``(RLO, RWLO, RWHI, RBASE, RN)`` —
+    ``RN`` of ``R`` slots in use, packed at the front — and the band width ``WB``."""
     if not spec.interpolated:
-        lo = _int_tensor(tuple(spec.dists), device)
-        return lo, lo, lo, 0, False         # WLO / WHI are never read without TWO_TAP
-    C, K = spec.count, len(spec.base)
-    lo = torch.empty(C, dtype=torch.int32, device=device)
-    wlo = torch.empty(C, dtype=torch.float64, device=device)
-    whi = torch.empty(C, dtype=torch.float64, device=device)
+        wb = band_width(spec.dists)
+        rungs = tuple(sorted(d for d in set(spec.dists) if wb < d < T))    # distances >= T are never valid
+        lo = _int_tensor(rungs or (kernels().NEVER,), device)
+        n = _int_tensor((len(rungs),), device)
+        return (lo, lo, lo, lo, n), max(len(rungs), 1), wb, False   # RWLO, RWHI, RBASE: read only when TWO_TAP
+    K = max(len(spec.base), 1)
+    lo = torch.empty(K, dtype=torch.int32, device=device)
+    n = torch.empty(1, dtype=torch.int32, device=device)
+    wlo, whi, rbase = (torch.empty(K, dtype=torch.float64, device=device) for _ in range(3))
     a = alpha.detach()
     if a.device != device:
         a = a.to(device)
-    kernels().plan_kernel[(1,)](a, _int_tensor(spec.base, device), lo, wlo, whi, K, spec.cap(T),
-                                W=spec.window, BLOCK_W=_pow2(spec.window + 1), BLOCK_K=_pow2(K))
-    return lo, wlo, whi, spec.window + 1, True
+    cap = spec.cap(T)
+    kernels().plan_kernel[(1,)](a, _int_tensor(spec.base, device), lo, wlo, whi, rbase, n, len(spec.base), cap,
+                                W=spec.window, BLOCK_K=_pow2(len(spec.base)))
+    return (lo, wlo, whi, rbase, n), K, min(spec.window, cap), True
 
 
-def _acc(dtype):
+def _tl_dtype(dtype):
     tl = kernels().tl
-    return tl.float64 if dtype == torch.float64 else tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32,
+            torch.float64: tl.float64}[dtype]
 
 
 def _prep(*xs):
@@ -147,48 +164,64 @@ def aux_like(q, spec):
     return q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
+def _block_x(block_g: int) -> int:
+    """Rows of the key pass's extra block (one query row per head of the group; 16 at least)."""
+    return max(block_g, 16)
+
+
+def _launch(q, hkv, wb):
+    """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows."""
+    B, H, T, D = q.shape
+    cfg = config(H // hkv, D, max(wb, 0))
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
+    dot = torch.float32 if interpreting() and q.dtype == torch.bfloat16 else q.dtype
+    dims = dict(ACC=_tl_dtype(_acc_dtype(q.dtype)), IN=_tl_dtype(q.dtype), DOT=_tl_dtype(dot), **cfg)
+    return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
+
+
 def forward(q, k, v, spec: ColumnSpec, alpha, scale: float):
     q, k, v = _prep(q, k, v)
     B, H, T, D = q.shape
     hkv = k.shape[1]
-    lo, wlo, whi, nwin, two = _columns(spec, alpha, T, q.device)
+    rungs, _, wb, two = _columns(spec, alpha, T, q.device)
+    rlo, rwlo, rwhi, _, rn = rungs
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
-    cfg = config(H // hkv, D)
-    grid = (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv)
-    kernels().fwd_kernel[grid](q, k, v, out, lse, lo, wlo, whi, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
-                               T, spec.count, nwin, hkv, H, H // hkv, D, scale * LOG2E,
-                               TWO_TAP=two, ACC=_acc(q.dtype), **cfg)
+    grid, dims, opts = _launch(q, hkv, wb)
+    kernels().fwd_kernel[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
+                               T, wb, hkv, H, H // hkv, D, scale * LOG2E, TWO_TAP=two, **dims, **opts)
     return out, lse
 
 
 def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool):
     q, k, v, out, dout = _prep(q, k, v, out, dout)
     B, H, T, D = q.shape
-    hkv, C = k.shape[1], spec.count
-    lo, wlo, whi, nwin, two = _columns(spec, alpha, T, q.device)
-    cfg = config(H // hkv, D)
-    n_m = triton_cdiv(T, cfg["BLOCK_M"])
-    grid = (n_m, B * hkv)
+    hkv = k.shape[1]
+    rungs, R, wb, two = _columns(spec, alpha, T, q.device)
+    rlo, rwlo, rwhi, rbase, rn = rungs
+    grid, dims, opts = _launch(q, hkv, wb)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = aux_like(q, spec)
-    edge_k = torch.zeros(B * hkv * C * D if two else 1, dtype=delta.dtype, device=q.device)
-    edge_v = torch.zeros_like(edge_k)
-    need = bool(need_dalpha and two)
-    dfrac = torch.zeros(B * hkv * n_m * C if need else 1, dtype=torch.float64, device=q.device)
-    dims = dict(TWO_TAP=two, ACC=_acc(q.dtype), **cfg)
+    # the rungs' P and dS per (row, head, rung), written by the query pass, read by the key pass
+    pr = torch.empty(max(B * H * T * R, 1), dtype=delta.dtype, device=q.device)
+    dsr = torch.empty_like(pr)
+    need = bool(need_dalpha and two and spec.base)
+    # per (row, head, rung slot); slots past the used rungs are never written
+    dfrac = torch.zeros(B * H * T * R if need else 1, dtype=delta.dtype, device=q.device)
     kern = kernels()
-    kern.bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, edge_k, edge_v, dfrac, lo, wlo, whi,
+    kern.bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn,
                              *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
-                             T, C, nwin, hkv, H, H // hkv, D, scale * LOG2E, scale, NEED_DFRAC=need, **dims)
-    kern.bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, edge_k, edge_v, lo, wlo, whi,
+                             T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two, NEED_DFRAC=need,
+                             **dims, **opts)
+    kern.bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
                                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                               T, C, nwin, hkv, H, H // hkv, D, scale * LOG2E, scale, **dims)
+                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
+                               BLOCK_X=_block_x(dims["BLOCK_G"]), **dims, **opts)
     da = None
     if need_dalpha:
         if need:
-            b = (0,) * nwin + spec.base
-            da = dalpha(dfrac.view(-1, C).sum(0), b, alpha)
+            da = dalpha(dfrac.view(-1, R).sum(0, dtype=torch.float64), rbase, alpha)
         else:
             da = torch.zeros((), dtype=alpha.dtype, device=alpha.device)
     return dq, dk, dv, da
@@ -196,3 +229,61 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- offline compilation
+_POINTERS = {"RLO": "*i32", "RN": "*i32", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
+             "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
+_TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+
+
+def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap: bool,
+                   dtype: str = "bf16") -> list[dict]:
+    """What ``tools/gpu_static.py`` compiles for sm_90 without a device: one dict per kernel of a
+    forward + backward (the fractional op's one-program plan launch aside), with ``loop_trips``
+    (the trip count of each outermost loop, in source order, for a program of an interior tile),
+    ``query_heads`` ((query, head) rows a program serves), ``rows_per_program`` (positions of
+    ``T``), ``tensor_flops_per_program`` (its ``tl.dot`` products) and ``bytes_per_program`` (what it
+    reads from and writes to memory once: q/k/v-shaped rows, statistics, the rungs' ``P``/``dS``)."""
+    import triton.language as tl
+    kern = kernels()
+    cfg = config(group, head_dim, window)
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
+    GM = cfg["BLOCK_G"] * M
+    band = -(-(M + window) // BN)               # band steps of an interior tile
+    chunks = -(-n_rungs // RB)
+    half = dtype in ("bf16", "fp16")
+    mm = 2.0 * D                                 # flops of one (row, column) product
+    split_p = 2 if half else 1                   # probabilities in as hi + lo
+    # forward: band q.k and p.v; rung blocks q.k (two-tap: split keys) and p.v (two-tap: 3 products)
+    fwd = band * GM * BN * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
+        (2 if two_tap and half else 1) + (3 if two_tap and half else split_p))
+    dq = (band * GM * BN * mm * 3 + chunks * GM * RB * M * mm * (3 + (2 if two_tap and half else 0)
+                                                                 + (4 if two_tap else 0)))
+    taps = 2 if two_tap else 1
+    dkdv = band * cfg["BLOCK_G"] * BN * M * mm * (4 + split_p) + n_rungs * taps * M * GM * mm * (1 + split_p)
+    q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
+    rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
+    plans = [(kern.fwd_kernel, "forward", {}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
+             (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap}, [band, chunks], dq,
+              4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2),
+             (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": _block_x(cfg["BLOCK_G"])}, [band, n_rungs], dkdv,
+              2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats)]
+    res = []
+    for fn, kind, extra, trips, flops, nbytes in plans:
+        consts = dict(TWO_TAP=two_tap, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg, **extra)
+        sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
+               for a in fn.arg_names}
+        sig.update({a: "fp32" for a in ("qk_scale", "sm_scale") if a in sig})
+        # what the JIT specializes at launch: 16-byte aligned pointers, integers divisible by 16
+        # (the strides and Dh of the goal setting; T is never specialized)
+        aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(fn.arg_names)
+                   if sig[a].startswith("*") or (sig[a] == "i32" and (a[0] == "s" or a == "DH") and head_dim % 16 == 0)}
+        res.append(dict(name=fn.__name__ + (" (two-tap)" if two_tap else ""), fn=fn, signature=sig, attrs=aligned,
+                        constexprs=consts, loop_trips=trips, query_heads=GM, rows_per_program=M,
+                        columns=window + 1 + n_rungs, tensor_flops_per_program=flops, bytes_per_program=nbytes,
+                        **{"pass": kind}, **opts))
+    return res

@@ -1,53 +1,62 @@
-"""Triton kernels of the ``triton`` backend: fused sparse attention over *columns*.
+"""Triton kernels of the ``triton`` backend: a tensor-core window band plus rung tiles.
 
 Imported only by :mod:`fibattn.ops.triton_backend`, after ``TRITON_INTERPRET`` is settled
 (Triton reads it when a kernel is defined).
 
 Layout: q, out, dout ``(B, H, T, Dh)``; k, v ``(B, Hkv, T, Dh)``, unit stride on ``Dh``;
-``lse`` and ``delta`` ``(B, H, T)`` in the accumulation dtype (float32; float64 for
-float64 inputs). Query head ``h`` reads key/value head
-``h // GROUP``. One program owns a tile of ``BLOCK_M`` consecutive rows of one key/value
-head and *all* ``GROUP`` query heads that read it, so every key/value tile it loads is
-shared by the group.
+``lse`` and ``delta`` ``(B, H, T)`` in the accumulation dtype (float32; float64 for float64
+inputs). Query head ``h`` reads key/value head ``h // GROUP``.
 
-Columns (arrays ``LO``, ``WLO``, ``WHI`` of length ``C``): column ``c`` of query row ``i``
-reads ``WLO[c] * x[i - LO[c]] + WHI[c] * x[max(i - LO[c] - 1, 0)]`` and is valid when
-``i >= LO[c]`` (``LO[c] >= T``: never valid). With ``TWO_TAP`` the columns ``c >= NWIN``
-are interpolated rungs (method.md §3) whose second tap is always read, so that the gradient of
-``frac`` (``WHI``) exists even at ``frac = 0``; without it every column is one exact tap.
+**Unit of work.** A program owns ``BLOCK_M`` consecutive rows ``[i0, i0 + M)`` of one
+key/value head and stacks the ``GROUP`` query heads that read it as the ``G·M`` rows of one
+2-D tile (row ``r`` is head ``r // M``, position ``i0 + r % M``), so every key/value row it
+loads serves the whole group and every product is a ``tl.dot`` (tensor cores):
 
-The pattern is shift-invariant: for a row tile ``[i0, i0 + M)`` a column reads the
-contiguous key rows ``[i0 - lo, i0 - lo + M)``, and in the backward a key tile
-``[j0, j0 + M)`` is read by the contiguous query rows ``[j0 + lo, ...)`` — so the key and
-value gradients are gathered per key tile, with no atomics, and every result is written
-by one program (deterministic). Scores are kept in base 2 (``qk_scale = scale * log2 e``);
-``lse`` is in those units. ``T``, ``C`` and ``NWIN`` are runtime values: a new length
-(or window) never recompiles.
+- **the band** — distances ``0..WB`` (the window, method.md §1) — is ``WB + 1`` diagonals of
+  the ``(G·M) × (M + WB)`` block of key rows ``[i0 - WB, i0 + M)``: FlashAttention over
+  ``BLOCK_N`` keys at a time with a diagonal-band mask;
+- **the rungs** — the ``R`` other distances ``lo_r`` — read, for row ``i0 + m``, key row
+  ``i0 + m - lo_r``: ``RB`` rungs at once are one gathered block of ``RB·M`` key rows, and
+  ``Q · Kᵀ`` over it keeps only the entries whose row and key share ``m`` (a block-diagonal
+  mask). That spends ``M``× the useful multiply-adds, on tensor cores, instead of a
+  cross-lane reduction per column;
+- one online-softmax update per block (band block or rung block), not per column.
+
+Interpolated rungs (``TWO_TAP``, method.md §3) read ``wlo·x[i - lo] + whi·x[max(i - lo - 1, 0)]``;
+both taps are always read so that the gradient of ``frac`` exists at ``frac = 0``, and the taps
+are mixed as scores and probabilities, never as rounded rows. The rungs in use (``RN`` of the
+``R`` slots, packed at the front by ``plan_kernel``) are read on the device.
+
+**Backward.** ``bwd_dq_kernel`` (by query tile) recomputes ``P`` and ``dS`` once, writes ``dq``,
+``delta`` and — for the rungs only — ``P``, ``dS`` (and d loss / d frac) per (row, head, rung
+slot) (``(B·H·T, R)`` float32 each). ``bwd_dkdv_kernel`` (by key tile) recomputes the band as
+tile dots (``dSᵀ·Q``, ``Pᵀ·dO``) and turns the stored rung values into the same dots over
+gathered query rows — no second recomputation of rung scores. Every result is written by one
+program: no atomics, deterministic.
+
+Scores are kept in base 2 (``qk_scale = scale · log2 e``); ``lse`` is in those units. ``T``,
+``WB`` and the rung count are runtime values: a new length never recompiles. docs/gpu.md has
+the compiled code's instruction mix (``tools/gpu_static.py``).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-NEVER = 1 << 30       # LO of a column that is never valid (a rung not used at this alpha)
+NEVER = 1 << 30       # lo of a rung that is never valid (not used at this alpha)
 _NEVER = tl.constexpr(NEVER)
 
 
 @triton.jit(do_not_specialize=["CAP"])
-def plan_kernel(ALPHA, BASE, LO, WLO, WHI, K, CAP, W: tl.constexpr, BLOCK_W: tl.constexpr,
-                BLOCK_K: tl.constexpr):
-    """method.md §3 on the device: window columns ``0..W`` (capped), then one column per base rung.
+def plan_kernel(ALPHA, BASE, RLO, RWLO, RWHI, RBASE, RN, K, CAP, W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """method.md §3 on the device: the rungs in use at this ``alpha``, packed at the front.
 
     A rung ``b`` has target ``t = alpha * b`` (float64, as Python computes it), ``lo =
     floor(t)``; it is used when ``W < lo <= CAP`` and no earlier used rung has the same
-    ``lo`` (``round(t) > W`` follows from ``lo > W``). Unused rungs get ``LO = NEVER``.
+    ``lo`` (``round(t) > W`` follows from ``lo > W``). The used rungs' ``lo``, weights and base
+    values fill slots ``0..RN-1`` in base order, so that the kernels loop over ``RN`` rungs,
+    not over the whole base; the other slots get ``lo = NEVER``.
     """
-    offs_w = tl.arange(0, BLOCK_W)
-    in_w = offs_w <= W
-    tl.store(LO + offs_w, tl.where(offs_w <= CAP, offs_w, _NEVER), mask=in_w)
-    tl.store(WLO + offs_w, tl.full([BLOCK_W], 1.0, tl.float64), mask=in_w)
-    tl.store(WHI + offs_w, tl.zeros([BLOCK_W], tl.float64), mask=in_w)
-
     alpha = tl.load(ALPHA).to(tl.float64)
     offs_k = tl.arange(0, BLOCK_K)
     in_k = offs_k < K
@@ -55,241 +64,315 @@ def plan_kernel(ALPHA, BASE, LO, WLO, WHI, K, CAP, W: tl.constexpr, BLOCK_W: tl.
     t = alpha * b
     lo = t.to(tl.int64)                      # t >= 0: truncation is floor
     cand = in_k & (lo > W) & (lo <= CAP)
-    earlier = (offs_k[:, None] < offs_k[None, :]) & cand[:, None] & (lo[:, None] == lo[None, :])
-    dup = tl.sum(earlier.to(tl.int32), axis=0) > 0
+    before = offs_k[:, None] < offs_k[None, :]          # [k', k]: k' comes before k
+    dup = tl.sum((before & cand[:, None] & (lo[:, None] == lo[None, :])).to(tl.int32), axis=0) > 0
     used = cand & (dup == 0)
+    slot = tl.sum((before & used[:, None]).to(tl.int32), axis=0)           # used rungs before k
+    pick = used[:, None] & (slot[:, None] == offs_k[None, :])             # [k, j]: rung k goes to slot j
+    filled = tl.sum(pick.to(tl.int32), axis=0) > 0
     frac = t - lo.to(tl.float64)
-    tl.store(LO + W + 1 + offs_k, tl.where(used, lo, _NEVER).to(tl.int32), mask=in_k)
-    tl.store(WLO + W + 1 + offs_k, 1.0 - frac, mask=in_k)
-    tl.store(WHI + W + 1 + offs_k, frac, mask=in_k)
+    lo_j = tl.sum(tl.where(pick, lo[:, None], 0), axis=0)
+    tl.store(RLO + offs_k, tl.where(filled, lo_j, _NEVER).to(tl.int32), mask=in_k)
+    tl.store(RWLO + offs_k, tl.sum(tl.where(pick, 1.0 - frac[:, None], 0.0), axis=0), mask=in_k)
+    tl.store(RWHI + offs_k, tl.sum(tl.where(pick, frac[:, None], 0.0), axis=0), mask=in_k)
+    tl.store(RBASE + offs_k, tl.sum(tl.where(pick, b[:, None], 0.0), axis=0), mask=in_k)
+    tl.store(RN, tl.sum(used.to(tl.int32), axis=0))
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's batch ``b``, key/value head ``hk``, first row ``i0``, and per tile row
+    ``r``: its position in the tile ``m``, its query head ``h`` and whether it exists."""
+    b = (tl.program_id(1) // HKV).to(tl.int64)      # int64 offsets: B * H * T * Dh may exceed 2**31
+    hk = tl.program_id(1) % HKV
+    i0 = tl.program_id(0) * BLOCK_M
+    r = tl.arange(0, BLOCK_G * BLOCK_M)
+    g = r // BLOCK_M
+    m = r % BLOCK_M
+    return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T)
 
 
 @triton.jit
-def _tap_rows(base, rows, stride_t, offs_d, mask):
-    """Rows ``rows`` (``(M,)``, already clamped) of one head as an ``(M, D)`` block."""
-    return tl.load(base + rows[:, None] * stride_t + offs_d[None, :], mask=mask, other=0.0)
+def _rows(base, offs, offs_d, ok, in_d):
+    """A ``(rows, Dh)`` block: row ``r`` starts at element ``offs[r]`` of ``base``."""
+    return tl.load(base + offs[:, None] + offs_d[None, :], mask=ok[:, None] & in_d[None, :], other=0.0)
 
 
 @triton.jit
-def _program(T, HKV, GROUP, DH, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's batch ``b``, key/value head ``hk``, rows ``[r0, r0 + BLOCK_M)``, the query
-    heads ``h`` of its group, and the masks of each axis."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // HKV).to(tl.int64)      # int64 offsets: B * H * T * Dh may exceed 2**31
-    hk = pid_bh % HKV
-    r0 = pid_m * BLOCK_M
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_r = r0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    return b, hk, r0, offs_r, offs_d, hk * GROUP + offs_g, offs_g < GROUP, offs_r < T, offs_d < DH
-
-
-@triton.jit
-def _heads(base, b, h, rows, offs_d, s_b, s_h, s_t, mask):
-    """The ``(G, M, D)`` block of query heads ``h`` at ``rows``."""
-    return tl.load(base + b * s_b + h[:, None, None] * s_h + rows[None, :, None] * s_t + offs_d[None, None, :],
-                   mask=mask, other=0.0)
-
-
-@triton.jit
-def _column(kb, vb, lo, WLO, WHI, c, NWIN, offs_m, in_m, offs_d, in_d, skt, svt,
-            TWO_TAP: tl.constexpr, ACC: tl.constexpr):
-    """Column ``c`` (at ``lo``) for query rows ``offs_m``: ``valid`` rows, the first tap's keys and values
-    ``x[i - lo]``, and (rungs of the two-tap op only) the second tap's ``x[max(i - lo - 1, 0)]``
-    with the weights ``wlo``, ``whi``."""
-    rows = offs_m - lo
-    valid = (rows >= 0) & in_m
-    md = valid[:, None] & in_d[None, :]
-    key = _tap_rows(kb, rows, skt, offs_d, md).to(ACC)
-    val = _tap_rows(vb, rows, svt, offs_d, md).to(ACC)
-    if TWO_TAP:
-        md2 = md & ((offs_m * 0 + c) >= NWIN)[:, None]     # only rungs read a second tap
-        rows2 = tl.maximum(rows - 1, 0)
-        key2 = _tap_rows(kb, rows2, skt, offs_d, md2).to(ACC)
-        val2 = _tap_rows(vb, rows2, svt, offs_d, md2).to(ACC)
-        return valid, key, val, key2, val2, tl.load(WLO + c).to(ACC), tl.load(WHI + c).to(ACC)
+def _dot(a, b, IN: tl.constexpr, DOT: tl.constexpr):
+    """A tensor-core product of operands rounded to the input dtype ``IN``, in ``DOT`` (``IN``
+    itself; float32 under the interpreter for bfloat16, whose products it gets wrong), with
+    exact (not tf32) products for float32."""
+    a = a.to(IN).to(DOT)
+    b = b.to(IN).to(DOT)
+    if DOT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        return valid, key, val, key, val, 1.0, 0.0
-
-
-@triton.jit(do_not_specialize=["T", "C", "NWIN"])
-def fwd_kernel(Q, K, V, O, LSE, LO, WLO, WHI,
-               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-               T, C, NWIN, HKV, H, GROUP, DH, qk_scale,
-               TWO_TAP: tl.constexpr, ACC: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, hk, i0, offs_m, offs_d, h, in_g, in_m, in_d = _program(T, HKV, GROUP, DH, BLOCK_G, BLOCK_M, BLOCK_D)
-    gmd = in_g[:, None, None] & in_m[None, :, None] & in_d[None, None, :]
-    q = _heads(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, gmd).to(ACC)
-    kb = K + b * skb + hk * skh
-    vb = V + b * svb + hk * svh
-
-    m_i = tl.full([BLOCK_G, BLOCK_M], float("-inf"), ACC)
-    l_i = tl.zeros([BLOCK_G, BLOCK_M], ACC)
-    acc = tl.zeros([BLOCK_G, BLOCK_M, BLOCK_D], ACC)
-    for c in range(C):
-        lo = tl.load(LO + c)
-        if lo < i0 + BLOCK_M:                            # some row of this tile may use it
-            valid, key, val, key2, val2, wlo, whi = _column(kb, vb, lo, WLO, WHI, c, NWIN, offs_m, in_m, offs_d,
-                                                            in_d, skt, svt, TWO_TAP, ACC)
-            if TWO_TAP:
-                key = wlo * key + whi * key2
-                val = wlo * val + whi * val2
-            s = tl.sum(q * key[None, :, :], axis=2) * qk_scale
-            s = tl.where(valid[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            corr = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use)
-            l_i = l_i * corr + p
-            acc = acc * corr[:, :, None] + p[:, :, None] * val[None, :, :]
-            m_i = m_new
-    l_use = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_use[:, :, None]
-    tl.store(O + b * sob + h[:, None, None] * soh + offs_m[None, :, None] * sot + offs_d[None, None, :],
-             out.to(O.dtype.element_ty), mask=gmd)
-    lse = (m_i + tl.log2(l_use)).to(LSE.dtype.element_ty)
-    tl.store(LSE + (b * H + h[:, None]) * T + offs_m[None, :], lse, mask=in_g[:, None] & in_m[None, :])
-
-
-@triton.jit(do_not_specialize=["T", "C", "NWIN"])
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, EDGE_K, EDGE_V, DFRAC, LO, WLO, WHI,
-                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
-                  sdqb, sdqh, sdqt, T, C, NWIN, HKV, H, GROUP, DH, qk_scale, sm_scale,
-                  TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, ACC: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """By query tile: ``delta = rowsum(dout * out)`` (stored for the key pass), ``dq``, the
-    per-program sums of d loss / d frac per column (``DFRAC``), and ``EDGE_*``: the
-    contribution of query row ``lo`` whose clamped second tap reads key row 0."""
-    b, hk, i0, offs_m, offs_d, h, in_g, in_m, in_d = _program(T, HKV, GROUP, DH, BLOCK_G, BLOCK_M, BLOCK_D)
-    gmd = in_g[:, None, None] & in_m[None, :, None] & in_d[None, None, :]
-    gm = in_g[:, None] & in_m[None, :]
-    q = _heads(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, gmd).to(ACC)
-    do = _heads(DO, b, h, offs_m, offs_d, sdb, sdh, sdt, gmd).to(ACC)
-    o = _heads(O, b, h, offs_m, offs_d, sob, soh, sot, gmd).to(ACC)
-    stat = (b * H + h[:, None]) * T + offs_m[None, :]
-    delta = tl.sum(do * o, axis=2)
-    tl.store(DELTA + stat, delta.to(DELTA.dtype.element_ty), mask=gm)
-    lse = tl.load(LSE + stat, mask=gm, other=0.0).to(ACC)
-    kb = K + b * skb + hk * skh
-    vb = V + b * svb + hk * svh
-
-    dq = tl.zeros([BLOCK_G, BLOCK_M, BLOCK_D], ACC)
-    for c in range(C):
-        lo = tl.load(LO + c)
-        if lo < i0 + BLOCK_M:
-            valid, key, val, key2, val2, wlo, whi = _column(kb, vb, lo, WLO, WHI, c, NWIN, offs_m, in_m, offs_d,
-                                                            in_d, skt, svt, TWO_TAP, ACC)
-            if TWO_TAP:
-                kmix = wlo * key + whi * key2
-                vmix = wlo * val + whi * val2
-            else:
-                kmix = key
-                vmix = val
-            s = tl.sum(q * kmix[None, :, :], axis=2) * qk_scale
-            p = tl.where(valid[None, :] & in_g[:, None], tl.exp2(s - lse), 0.0)
-            dp = tl.sum(do * vmix[None, :, :], axis=2)
-            ds = p * (dp - delta)
-            dq += ds[:, :, None] * kmix[None, :, :]
-            if TWO_TAP:
-                if c >= NWIN:
-                    if NEED_DFRAC:            # d s / d frac = scale q.(k2 - k), d out / d frac = p (v2 - v)
-                        ks = tl.sum(q * (key2 - key)[None, :, :], axis=2)
-                        vs = tl.sum(do * (val2 - val)[None, :, :], axis=2)
-                        part = tl.sum(tl.sum(ds * ks * sm_scale + p * vs, axis=1), axis=0)
-                        slot = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-                        tl.store(DFRAC + slot * C + c, part.to(tl.float64))
-                    if lo >= i0:              # row lo is in this tile: its second tap is clamped to row 0
-                        at = (offs_m == lo)[None, :, None]
-                        ek = tl.sum(tl.sum(tl.where(at, ds[:, :, None] * q, 0.0), axis=1), axis=0) * whi
-                        ev = tl.sum(tl.sum(tl.where(at, p[:, :, None] * do, 0.0), axis=1), axis=0) * whi
-                        edge = (tl.program_id(1) * C + c) * DH + offs_d
-                        tl.store(EDGE_K + edge, ek.to(EDGE_K.dtype.element_ty), mask=in_d)
-                        tl.store(EDGE_V + edge, ev.to(EDGE_V.dtype.element_ty), mask=in_d)
-    tl.store(DQ + b * sdqb + h[:, None, None] * sdqh + offs_m[None, :, None] * sdqt + offs_d[None, None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=gmd)
+        return tl.dot(a, b)
 
 
 @triton.jit
-def _key_pass(Q, DO, LSE, DELTA, kmix, vmix, qi, ok, b, h, in_g, offs_d, in_d,
-              sqb, sqh, sqt, sdb, sdh, sdt, T, H, qk_scale, ACC: tl.constexpr):
-    """For the query rows ``qi`` (``(M,)``, valid where ``ok``) that read a key tile through one
-    tap: ``(sum_g ds * q, sum_g p * dout)``, each ``(M, D)``."""
-    gmd = in_g[:, None, None] & ok[None, :, None] & in_d[None, None, :]
-    q = _heads(Q, b, h, qi, offs_d, sqb, sqh, sqt, gmd).to(ACC)
-    do = _heads(DO, b, h, qi, offs_d, sdb, sdh, sdt, gmd).to(ACC)
-    gm = in_g[:, None] & ok[None, :]
-    stat = (b * H + h[:, None]) * T + qi[None, :]
-    lse = tl.load(LSE + stat, mask=gm, other=0.0).to(ACC)
-    delta = tl.load(DELTA + stat, mask=gm, other=0.0).to(ACC)
-    s = tl.sum(q * kmix[None, :, :], axis=2) * qk_scale
-    p = tl.where(gm, tl.exp2(s - lse), 0.0)
-    ds = p * (tl.sum(do * vmix[None, :, :], axis=2) - delta)
-    return tl.sum(ds[:, :, None] * q, axis=0), tl.sum(p[:, :, None] * do, axis=0)
+def _dot_p(p, x, IN: tl.constexpr, DOT: tl.constexpr):
+    """``p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
+    half-precision inputs ``p`` goes in as two half-precision parts, ``hi + lo``, so that the
+    output keeps float32 probabilities' accuracy — one rounding at the end — for one more
+    tensor-core product."""
+    if IN == tl.float16 or IN == tl.bfloat16:
+        hi = p.to(IN)
+        return _dot(hi, x, IN, DOT) + _dot(p - hi.to(p.dtype), x, IN, DOT)
+    else:
+        return _dot(p, x, IN, DOT)
 
 
-@triton.jit(do_not_specialize=["T", "C", "NWIN"])
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, EDGE_K, EDGE_V, LO, WLO, WHI,
+@triton.jit
+def _dot_t(a, b, IN: tl.constexpr, DOT: tl.constexpr):
+    """``a · bᵀ``."""
+    return _dot(a, tl.trans(b), IN, DOT)
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, s):
+    """One online-softmax update with the ``(rows, N)`` block ``s`` (base 2, -inf where masked):
+    the new max and sum, the rescaled accumulator and the block's probabilities."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    corr = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, l_i * corr + tl.sum(p, axis=1), acc * corr[:, None], p
+
+
+@triton.jit
+def _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d,
+               TWO_TAP: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rungs ``[r0, r0 + RB)`` as one gathered block of ``RB·M`` key rows: column ``n`` is rung
+    ``r0 + n // M`` at tile row ``mm = n % M``. Returns the first tap's keys and values, the
+    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm`` and
+    whether the column exists. Interpolation is applied to scores and probabilities, not to
+    the rows, so that the products take the inputs' own rows, exact in half precision."""
+    n = tl.arange(0, RB * BLOCK_M)
+    rung = r0 + n // BLOCK_M
+    mm = n % BLOCK_M
+    lo = tl.load(RLO + rung, mask=rung < nr, other=_NEVER)
+    kr = i0 + mm - lo
+    ok = (kr >= 0) & (kr < T)
+    k1 = _rows(kb, kr * skt, offs_d, ok, in_d)
+    v1 = _rows(vb, kr * svt, offs_d, ok, in_d)
+    if TWO_TAP:
+        kr2 = tl.maximum(kr - 1, 0)
+        k2 = _rows(kb, kr2 * skt, offs_d, ok, in_d)
+        v2 = _rows(vb, kr2 * svt, offs_d, ok, in_d)
+        wlo = tl.load(RWLO + rung, mask=rung < nr, other=1.0).to(ACC)
+        whi = tl.load(RWHI + rung, mask=rung < nr, other=0.0).to(ACC)
+        return k1, v1, k2, v2, wlo, whi, mm, ok
+    else:
+        return k1, v1, k1, v1, 1.0, 0.0, mm, ok
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit(do_not_specialize=["T", "WB"])
+def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN,
+               sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+               T, WB, HKV, H, GROUP, DH, qk_scale,
+               TWO_TAP: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, RB: tl.constexpr):
+    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
+    i = i0 + m
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < DH
+    q = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, row_ok, in_d).to(IN)
+    kb = K + b * skb + hk * skh
+    vb = V + b * svb + hk * svh
+
+    m_i = tl.full([BLOCK_G * BLOCK_M], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_G * BLOCK_M], ACC)
+    acc = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
+    for n0 in range(i0 - WB, i0 + BLOCK_M, BLOCK_N):        # the band: keys [i0 - WB, i0 + M)
+        kr = n0 + tl.arange(0, BLOCK_N)
+        kok = (kr >= 0) & (kr < T)
+        k = _rows(kb, kr * skt, offs_d, kok, in_d)
+        v = _rows(vb, kr * svt, offs_d, kok, in_d)
+        d = i[:, None] - kr[None, :]
+        ok = (d >= 0) & (d <= WB) & kok[None, :]
+        s = tl.where(ok, _dot_t(q, k, IN, DOT).to(ACC) * qk_scale, float("-inf"))
+        m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, s)
+        acc += _dot_p(p, v, IN, DOT)
+    nr = tl.load(RN)
+    for r0 in range(0, nr, RB):                                 # the rungs, RB at a time
+        k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
+                                                       in_d, TWO_TAP, ACC, RB, BLOCK_M)
+        ok = (m[:, None] == mm[None, :]) & kok[None, :]
+        if TWO_TAP:
+            s = wlo[None, :] * _dot_t(q, k1, IN, DOT).to(ACC) + whi[None, :] * _dot_t(q, k2, IN, DOT).to(ACC)
+        else:
+            s = _dot_t(q, k1, IN, DOT).to(ACC)
+        m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, tl.where(ok, s * qk_scale, float("-inf")))
+        if TWO_TAP:
+            acc += _dot_p(p * wlo[None, :], v1, IN, DOT) + _dot_p(p * whi[None, :], v2, IN, DOT)
+        else:
+            acc += _dot_p(p, v1, IN, DOT)
+    l_use = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_use[:, None]
+    tl.store(O + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & in_d[None, :])
+    tl.store(LSE + (b * H + h) * T + i, (m_i + tl.log2(l_use)).to(LSE.dtype.element_ty), mask=row_ok)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit(do_not_specialize=["T", "R", "WB"])
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN,
+                  sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
+                  sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
+                  TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, ACC: tl.constexpr,
+                  IN: tl.constexpr, DOT: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, RB: tl.constexpr):
+    """By query tile: ``delta = rowsum(dout * out)`` (stored for the key pass), ``dq``, the
+    rungs' ``P`` and ``dS`` per (row, head, rung), and the per-program sums of d loss / d frac."""
+    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
+    i = i0 + m
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < DH
+    q = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, row_ok, in_d)
+    do = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, row_ok, in_d)
+    o = _rows(O + b * sob, h * soh + i * sot, offs_d, row_ok, in_d)
+    stat = (b * H + h) * T + i
+    delta = tl.sum(do.to(ACC) * o.to(ACC), axis=1)
+    tl.store(DELTA + stat, delta.to(DELTA.dtype.element_ty), mask=row_ok)
+    lse = tl.load(LSE + stat, mask=row_ok, other=0.0).to(ACC)
+    q = q.to(IN)
+    do = do.to(IN)
+    kb = K + b * skb + hk * skh
+    vb = V + b * svb + hk * svh
+
+    dq = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
+    for n0 in range(i0 - WB, i0 + BLOCK_M, BLOCK_N):
+        kr = n0 + tl.arange(0, BLOCK_N)
+        kok = (kr >= 0) & (kr < T)
+        k = _rows(kb, kr * skt, offs_d, kok, in_d)
+        v = _rows(vb, kr * svt, offs_d, kok, in_d)
+        d = i[:, None] - kr[None, :]
+        ok = (d >= 0) & (d <= WB) & kok[None, :] & row_ok[:, None]
+        p = tl.where(ok, tl.exp2(_dot_t(q, k, IN, DOT).to(ACC) * qk_scale - lse[:, None]), 0.0)
+        ds = p * (_dot_t(do, v, IN, DOT).to(ACC) - delta[:, None])
+        dq += _dot(ds, k, IN, DOT)
+    nr = tl.load(RN)
+    for r0 in range(0, nr, RB):
+        k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
+                                                       in_d, TWO_TAP, ACC, RB, BLOCK_M)
+        ok = (m[:, None] == mm[None, :]) & kok[None, :] & row_ok[:, None]
+        s1 = _dot_t(q, k1, IN, DOT).to(ACC)
+        dp1 = _dot_t(do, v1, IN, DOT).to(ACC)
+        if TWO_TAP:
+            s2 = _dot_t(q, k2, IN, DOT).to(ACC)
+            dp2 = _dot_t(do, v2, IN, DOT).to(ACC)
+            p = tl.where(ok, tl.exp2((wlo[None, :] * s1 + whi[None, :] * s2) * qk_scale - lse[:, None]), 0.0)
+            ds = p * (wlo[None, :] * dp1 + whi[None, :] * dp2 - delta[:, None])
+            dq += _dot(ds * wlo[None, :], k1, IN, DOT) + _dot(ds * whi[None, :], k2, IN, DOT)
+        else:
+            p = tl.where(ok, tl.exp2(s1 * qk_scale - lse[:, None]), 0.0)
+            ds = p * (dp1 - delta[:, None])
+            dq += _dot(ds, k1, IN, DOT)
+        # one value per (row, rung): the block-diagonal mask leaves one entry per rung in a row
+        rr = r0 + tl.arange(0, RB)
+        slot = stat[:, None] * R + rr[None, :]
+        sok = row_ok[:, None] & (rr < nr)[None, :]
+        tl.store(PR + slot, tl.sum(tl.reshape(p, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
+        tl.store(DSR + slot, tl.sum(tl.reshape(ds, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
+        if TWO_TAP:
+            if NEED_DFRAC:      # d s / d frac = scale q.(k2 - k1), d out / d frac = p (v2 - v1); summed on the host
+                part = ds * (s2 - s1) * sm_scale + p * (dp2 - dp1)          # 0 off the block diagonal
+                tl.store(DFRAC + slot, tl.sum(tl.reshape(part, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
+    tl.store(DQ + b * sdqb + (h * sdqh + i * sdqt)[:, None] + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & in_d[None, :])
+
+
+@triton.jit
+def _stored(Q, DO, PR, DSR, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
+    """Query rows ``i`` of heads ``h`` (gathered ``q`` and ``dout``), with their stored ``dS`` and ``P``
+    of rung ``r``."""
+    ok = ok & (i < T)
+    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)
+    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok, in_d)
+    slot = ((b * H + h) * T + i) * R + r
+    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.load(PR + slot, mask=ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["T", "R", "WB"])
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN,
                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                    T, C, NWIN, HKV, H, GROUP, DH, qk_scale, sm_scale,
-                    TWO_TAP: tl.constexpr, ACC: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """By key tile ``[j0, j0 + M)``: a column at ``lo`` is read through its first tap by query
-    rows ``j + lo`` (key ``wlo k[j] + whi k[j - 1]``) and through its second by rows
-    ``j + lo + 1`` (key ``wlo k[j + 1] + whi k[j]``)."""
-    b, hk, j0, offs_j, offs_d, h, in_g, in_j, in_d = _program(T, HKV, GROUP, DH, BLOCK_G, BLOCK_M, BLOCK_D)
-    kb = K + b * skb + hk * skh
-    vb = V + b * svb + hk * svh
-    jd = in_j[:, None] & in_d[None, :]
-    k0 = _tap_rows(kb, offs_j, skt, offs_d, jd).to(ACC)
-    v0 = _tap_rows(vb, offs_j, svt, offs_d, jd).to(ACC)
-    if TWO_TAP:
-        km = _tap_rows(kb, tl.maximum(offs_j - 1, 0), skt, offs_d, jd).to(ACC)
-        vm = _tap_rows(vb, tl.maximum(offs_j - 1, 0), svt, offs_d, jd).to(ACC)
-        jd1 = (offs_j + 1 < T)[:, None] & in_d[None, :]
-        kp = _tap_rows(kb, offs_j + 1, skt, offs_d, jd1).to(ACC)
-        vp = _tap_rows(vb, offs_j + 1, svt, offs_d, jd1).to(ACC)
-
+                    T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
+                    TWO_TAP: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, RB: tl.constexpr, BLOCK_X: tl.constexpr):
+    """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
+    tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
+    ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0."""
+    b = (tl.program_id(1) // HKV).to(tl.int64)
+    hk = tl.program_id(1) % HKV
+    j0 = tl.program_id(0) * BLOCK_M
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < DH
+    kr = j0 + tl.arange(0, BLOCK_M)
+    k_ok = kr < T
+    k = _rows(K + b * skb + hk * skh, kr * skt, offs_d, k_ok, in_d).to(IN)
+    v = _rows(V + b * svb + hk * svh, kr * svt, offs_d, k_ok, in_d).to(IN)
     dk = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_M, BLOCK_D], ACC)
-    for c in range(C):
-        lo = tl.load(LO + c)
-        if j0 + lo < T:
-            qi = offs_j + lo
-            if TWO_TAP:
-                wlo = tl.load(WLO + c).to(ACC)
-                whi = tl.load(WHI + c).to(ACC)
-                gk, gv = _key_pass(Q, DO, LSE, DELTA, wlo * k0 + whi * km, wlo * v0 + whi * vm, qi, qi < T,
-                                   b, h, in_g, offs_d, in_d, sqb, sqh, sqt, sdb, sdh, sdt, T, H, qk_scale, ACC)
-                dk += wlo * gk
-                dv += wlo * gv
-                if whi != 0.0:
-                    if j0 + lo + 1 < T:
-                        qi1 = qi + 1
-                        gk, gv = _key_pass(Q, DO, LSE, DELTA, wlo * kp + whi * k0, wlo * vp + whi * v0, qi1,
-                                           qi1 < T, b, h, in_g, offs_d, in_d, sqb, sqh, sqt, sdb, sdh, sdt, T, H,
-                                           qk_scale, ACC)
-                        dk += whi * gk
-                        dv += whi * gv
-            else:
-                gk, gv = _key_pass(Q, DO, LSE, DELTA, k0, v0, qi, qi < T, b, h, in_g, offs_d, in_d,
-                                   sqb, sqh, sqt, sdb, sdh, sdt, T, H, qk_scale, ACC)
-                dk += gk
-                dv += gv
-    if TWO_TAP:
-        if j0 == 0:                                  # second taps clamped to row 0 (see bwd_dq_kernel)
-            ek = tl.zeros([BLOCK_D], ACC)
-            ev = tl.zeros([BLOCK_D], ACC)
-            for c in range(NWIN, C):
-                edge = (tl.program_id(1) * C + c) * DH + offs_d
-                ek += tl.load(EDGE_K + edge, mask=in_d, other=0.0).to(ACC)
-                ev += tl.load(EDGE_V + edge, mask=in_d, other=0.0).to(ACC)
-            first = (offs_j == 0)[:, None]
-            dk += tl.where(first, ek[None, :], 0.0)
-            dv += tl.where(first, ev[None, :], 0.0)
-    tl.store(DK + b * sdkb + hk * sdkh + offs_j[:, None] * sdkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=jd)
-    tl.store(DV + b * sdvb + hk * sdvh + offs_j[:, None] * sdvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=jd)
+
+    # the band: query rows (g, n0 + n) for blocks of BLOCK_N positions
+    qn = tl.arange(0, BLOCK_G * BLOCK_N)
+    hq = hk * GROUP + qn // BLOCK_N
+    g_ok = (qn // BLOCK_N) < GROUP
+    for n0 in range(j0, j0 + BLOCK_M + WB, BLOCK_N):
+        i = n0 + qn % BLOCK_N
+        ok_i = g_ok & (i < T)
+        qb = _rows(Q + b * sqb, hq * sqh + i * sqt, offs_d, ok_i, in_d)
+        dob = _rows(DO + b * sdb, hq * sdh + i * sdt, offs_d, ok_i, in_d)
+        stat = (b * H + hq) * T + i
+        lse = tl.load(LSE + stat, mask=ok_i, other=0.0).to(ACC)
+        delta = tl.load(DELTA + stat, mask=ok_i, other=0.0).to(ACC)
+        d = i[None, :] - kr[:, None]                      # (key, query): the products come out as Pᵀ, dSᵀ
+        ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]
+        pt = tl.where(ok, tl.exp2(_dot_t(k, qb, IN, DOT).to(ACC) * qk_scale - lse[None, :]), 0.0)
+        dst = pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :])
+        dv += _dot_p(pt, dob, IN, DOT)
+        dk += _dot(dst, qb, IN, DOT)
+
+    # the rungs, from the stored P and dS: key row j0 + m reads query rows (g, j0 + m + lo) through
+    # its first tap and (g, j0 + m + lo + 1) through its second — the gathered rows of tile
+    # row m + 1 — so one gather serves both: A = wlo·diag(dS) + whi·superdiag(dS) (and key 0 also
+    # takes row lo's clamped second tap); only key row j0 + M - 1's second tap needs the extra
+    # query row j0 + M + lo (the small block X).
+    rq = tl.arange(0, BLOCK_G * BLOCK_M)
+    m = rq % BLOCK_M
+    h = hk * GROUP + rq // BLOCK_M
+    gm_ok = (rq // BLOCK_M) < GROUP
+    row = tl.arange(0, BLOCK_M)
+    diag = row[:, None] == m[None, :]
+    xg = tl.arange(0, BLOCK_X)
+    last = (row == BLOCK_M - 1)[:, None] & (xg < GROUP)[None, :]
+    for r in range(0, tl.load(RN)):
+        lo = tl.load(RLO + r)
+        qg, dog, ds, p = _stored(Q, DO, PR, DSR, b, h, j0 + m + lo, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt,
+                                 offs_d, in_d)
+        if TWO_TAP:
+            wlo = tl.load(RWLO + r).to(ACC)
+            whi = tl.load(RWHI + r).to(ACC)
+            w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(row[:, None] + 1 == m[None, :],
+                                                                                          whi, 0.0)
+            dk += _dot(w * ds[None, :], qg, IN, DOT)
+            dv += _dot_p(w * p[None, :], dog, IN, DOT)
+            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, b, hk * GROUP + xg, j0 + BLOCK_M + lo + 0 * xg, xg < GROUP, r,
+                                       R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d)
+            dk += _dot(tl.where(last, whi * dsx[None, :], 0.0), qx, IN, DOT)
+            dv += _dot_p(tl.where(last, whi * px[None, :], 0.0), dox, IN, DOT)
+        else:
+            dk += _dot(tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
+            dv += _dot_p(tl.where(diag, p[None, :], 0.0), dog, IN, DOT)
+    tl.store(DK + b * sdkb + hk * sdkh + kr[:, None] * sdkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=k_ok[:, None] & in_d[None, :])
+    tl.store(DV + b * sdvb + hk * sdvh + kr[:, None] * sdvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=k_ok[:, None] & in_d[None, :])

@@ -1,0 +1,505 @@
+"""What an H200 would execute for the ``triton`` backend's kernels, measured offline (issue 22, item 7).
+
+    python tools/gpu_static.py [--json FILE] [--goals]
+
+No GPU needed: every kernel of ``fibattn.ops.triton_backend.static_kernels`` is compiled for
+sm_90 by Triton's own ptxas at the goal setting (B 4, H 8, Hkv 2, Dh 64, bf16, window 12,
+``fib:15`` at alpha 1.5 -> 10 rungs; the integer op and the interpolated, two-tap op), and
+its machine code is read back with the ``nvdisasm`` / ``cuobjdump`` Triton ships.
+
+What is counted, per kernel
+    * registers per thread and stack bytes (``cuobjdump -res-usage``; stack is reported as
+      spill bytes) and the local-memory instructions (``LDL`` / ``STL``) in the SASS;
+    * tensor-core instructions: the SASS MMA opcodes (``HMMA``, ``IMMA``, ``DMMA``, ``BMMA``
+      and Hopper's warpgroup ``HGMMA``, ``IGMMA``, ``QGMMA``, ``BGMMA``), in all and inside
+      loop bodies;
+    * loops: a branch to a lower (or equal) address closes the loop ``[target, branch]``;
+      loops that overlap are merged and the outermost ones are kept. A loop nested inside an
+      outermost loop is counted ONCE per iteration of the outer loop (its body is simply part
+      of the outer body), so kernels whose inner loops run many times are under-counted —
+      the kernels this tool is for have none. ptxas may split one source loop into several
+      machine loops (an unrolled loop and its remainder loop): adjacent outermost loops whose
+      back-edge branches carry the same source location (``nvdisasm -gi`` line info,
+      inlining chain included) are one source loop, and one of its iterations is charged the
+      body of the smallest of them (the remainder loop runs one source iteration per trip).
+      Outermost source loops, in address order, are matched with ``loop_trips`` (source
+      order); if their numbers differ the tool stops with one line naming the kernel
+      (:class:`LoopMismatch`), so it cannot silently go stale when the kernels change;
+    * every instruction of a loop body is counted as executed on every trip, and every
+      instruction outside loops once: a program of an interior tile, whose masks and
+      ``if``\\s are all true (an upper bound where a branch skips work, e.g. a second tap
+      whose weight is 0). NOP padding, the terminal self-branch and any out-of-line code
+      after it (slow-path subroutines) are not counted.
+
+Derived numbers
+    * dynamic instructions per thread and program = straight-line + sum(loop body x trips);
+      thread-instructions per program = that x num_warps x 32;
+    * thread-instructions per (query, head, column) of an op = sum over its kernels (forward
+      and backward, all of ``static_kernels``' list) of thread-instructions per program /
+      (``query_heads`` x ``columns``) — the cost of one attended cell, comparable across ops
+      and tile shapes.
+
+The static H200 model (:func:`estimate_ms`)
+    A kernel takes ``max(issue, tensor, memory) + launch``; an op the sum over its kernels:
+    * issue: warp-instructions / (132 SMs x 4 schedulers x 1 warp-instruction per cycle x
+      1.98 GHz x 0.6). The 0.6 issue efficiency stands for what a static count cannot see —
+      dependent-instruction latencies, memory and barrier stalls, occupancy — and sits in
+      the 50-65 % the project's earlier estimate used;
+    * tensor: ``tensor_flops_per_program`` (optional key of ``static_kernels``' dicts) at
+      989 TFLOP/s (dense bf16); 0 when the key is absent;
+    * memory: ``bytes_per_program`` (optional key) at 4.8 TB/s; when absent, each kernel
+      reads or writes each of its bf16 tensor arguments (Q, K, V, O, DO, DQ, DK, DV by
+      name in its signature) once: q-shaped ones ``B x H x T x Dh``, k-shaped ones
+      ``B x Hkv x T x Dh``;
+    * launch: 4 us per kernel;
+    * programs at length T: ``ceil(T / rows_per_program) x B x Hkv``, every program
+      costed as an interior one.
+    FlashAttention-2 for comparison, from its FLOPs: causal forward ``2 B H T^2 Dh`` at
+    330 TFLOP/s plus backward ``5 B H T^2 Dh`` at 220 TFLOP/s (Dh 64 on Hopper).
+
+A kernel's ``pass`` (``forward`` / ``backward``) comes with it from ``static_kernels``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+
+# ----------------------------------------------------------------------------- settings
+GOAL = {"batch": 4, "heads": 8, "kv_heads": 2, "head_dim": 64, "window": 12, "fib_k": 15, "alpha": 1.5, "dtype": "bf16"}
+LENGTHS = (4096, 16384, 65536)
+
+SMS, SCHEDULERS, CLOCK_HZ, ISSUE_EFFICIENCY = 132, 4, 1.98e9, 0.6
+TENSOR_FLOPS = 989e12          # dense bf16 tensor-core peak of an H100/H200 SXM
+MEMORY_BPS = 4.8e12
+LAUNCH_S = 4e-6
+FA2_FWD_FLOPS, FA2_BWD_FLOPS = 330e12, 220e12
+
+GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.5,
+         "min_speedup": {4096: 3.0, 16384: 20.0, 65536: 80.0}}
+
+TENSOR_OPS = {"HMMA", "IMMA", "DMMA", "BMMA", "HGMMA", "IGMMA", "QGMMA", "BGMMA"}
+MIX = ("FFMA", "FMUL", "FADD", "MUFU", "SHFL", "BAR", "LDG", "LDS", "STS", "LDSM", "STG", "LDL/STL", "MMA", "other")
+_MIX_OF = {"LDGSTS": "LDG", "UTMALDG": "LDG", "LDL": "LDL/STL", "STL": "LDL/STL",
+           **{op: "MMA" for op in TENSOR_OPS}, **{op: op for op in MIX}}
+_Q_SHAPED, _KV_SHAPED = {"Q", "O", "DO", "DQ"}, {"K", "V", "DK", "DV"}
+
+
+class LoopMismatch(RuntimeError):
+    """The SASS's outermost loops do not match a kernel's ``loop_trips``."""
+
+
+# ----------------------------------------------------------------------------- SASS parsing
+@dataclass
+class Instr:
+    addr: int
+    opcode: str                 # full opcode with modifiers, e.g. "HMMA.16816.F32.BF16"
+    text: str
+    target: int | None = None   # branch target address
+    loc: str | None = None      # source location (nvdisasm -g / -gi), when present
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".", 1)[0]
+
+
+@dataclass
+class Loop:
+    start: int
+    end: int                    # address of the back-edge branch
+    loc: str | None             # source location of the back-edge branch
+    body: list[Instr] = field(default_factory=list)
+    nested: int = 0             # loops inside this one (counted once per iteration)
+
+
+_INSTR = re.compile(r"/\*([0-9a-fA-F]+)\*/\s+([^;]*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L\w*):")
+_LOC = re.compile(r'^\s*//## File "([^"]*)", line (\d+)(.*)$')
+_FUNC = re.compile(r"^\s*Function\s*:\s*(\S+)|^\.text\.(\S+):")
+_TARGET = re.compile(r"(0x[0-9a-fA-F]+)|`\((\.L\w*)\)")
+
+
+def _split_instr(text: str) -> tuple[str, str]:
+    toks = text.split()
+    if toks and toks[0].startswith("@"):
+        toks = toks[1:]
+    return (toks[0] if toks else ""), " ".join(toks[1:])
+
+
+def parse_sass(text: str) -> dict[str, list[Instr]]:
+    """Instructions per function of ``cuobjdump -sass`` or ``nvdisasm [-g|-gi]`` output.
+
+    Branch targets are resolved to addresses (hex operands or ``.L`` labels); each
+    instruction carries the source location annotated before it, if any. NOPs are kept
+    here (see :func:`function_body`)."""
+    funcs: dict[str, list[Instr]] = {}
+    labels: dict[str, int] = {}
+    pending_labels: list[str] = []
+    name, cur, loc, fresh_loc = None, None, None, False
+    unresolved: list[tuple[Instr, dict, str]] = []
+    for line in text.splitlines():
+        m = _FUNC.match(line)
+        if m:
+            name = m.group(1) or m.group(2)
+            cur = funcs.setdefault(name, [])
+            labels, pending_labels, loc = {}, [], None
+            continue
+        m = _LOC.match(line)
+        if m:
+            if not fresh_loc:       # -gi prints the full inlining chain first, then the outer frame
+                loc = f"{m.group(1)}:{m.group(2)}{m.group(3)}"
+                fresh_loc = True
+            continue
+        m = _LABEL.match(line)
+        if m:
+            pending_labels.append(m.group(1))
+            continue
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        if cur is None:
+            name, cur = "", funcs.setdefault("", [])
+        addr = int(m.group(1), 16)
+        opcode, operands = _split_instr(m.group(2))
+        ins = Instr(addr, opcode, m.group(2), loc=loc)
+        fresh_loc = False
+        for lab in pending_labels:
+            labels[lab] = addr
+        pending_labels = []
+        if ins.base in ("BRA", "JMP", "BRX", "JMX"):
+            t = _TARGET.search(operands)
+            if t and t.group(1):
+                ins.target = int(t.group(1), 16)
+            elif t:
+                unresolved.append((ins, labels, t.group(2)))     # this function's labels, resolved below
+        cur.append(ins)
+    for ins, labs, lab in unresolved:
+        ins.target = labs.get(lab)
+    return funcs
+
+
+def function_body(instrs: list[Instr]) -> list[Instr]:
+    """The executed part of a function: up to (not including) the terminal self-branch
+    ``BRA`` to its own address, without NOPs."""
+    out = []
+    for ins in instrs:
+        if ins.base == "BRA" and ins.target == ins.addr:
+            break
+        if ins.base != "NOP":
+            out.append(ins)
+    return out
+
+
+def find_loops(body: list[Instr]) -> list[Loop]:
+    """Outermost loops of a function body, in address order (see the module docstring)."""
+    edges = sorted((ins.target, ins.addr, ins.loc) for ins in body
+                   if ins.target is not None and ins.target <= ins.addr)
+    outer: list[list] = []                              # [start, end, loc of the last back-edge, members]
+    for start, end, loc in edges:
+        if outer and start <= outer[-1][1]:             # nested in or overlapping the previous one
+            if end >= outer[-1][1]:
+                outer[-1][1], outer[-1][2] = end, loc
+            outer[-1][3] += 1
+        else:
+            outer.append([start, end, loc, 1])
+    loops = []
+    for start, end, loc, members in outer:
+        loops.append(Loop(start, end, loc, [i for i in body if start <= i.addr <= end], nested=members - 1))
+    return loops
+
+
+def source_loops(loops: list[Loop]) -> list[list[Loop]]:
+    """Outermost machine loops grouped into source loops: adjacent loops whose back-edges
+    carry the same (known) source location are one loop that ptxas split."""
+    groups: list[list[Loop]] = []
+    for loop in loops:
+        if groups and loop.loc is not None and groups[-1][-1].loc == loop.loc:
+            groups[-1].append(loop)
+        else:
+            groups.append([loop])
+    return groups
+
+
+def mix(instrs: list[Instr]) -> dict[str, int]:
+    out = dict.fromkeys(MIX, 0)
+    for ins in instrs:
+        out[_MIX_OF.get(ins.base, "other")] += 1
+    return {k: v for k, v in out.items() if v}
+
+
+# ----------------------------------------------------------------------------- one kernel
+@dataclass
+class KernelStats:
+    name: str
+    backward: bool
+    num_warps: int
+    registers: int
+    spill_bytes: int
+    local_memory_instructions: int
+    tensor_core_instructions: int
+    tensor_core_instructions_in_loops: int
+    straight_line: int
+    loop_trips: list[int]
+    loop_bodies: list[int]                  # instructions per thread per source iteration
+    machine_loops: list[int]                # machine loops per source loop
+    loop_mix: list[dict]
+    straight_mix: dict
+    query_heads: int
+    columns: int
+    rows_per_program: int
+    tensor_flops_per_program: float = 0.0
+    bytes_per_program: float | None = None
+    tensor_args: tuple = ()
+
+    @property
+    def dynamic_per_thread(self) -> int:
+        return self.straight_line + sum(b * t for b, t in zip(self.loop_bodies, self.loop_trips))
+
+    @property
+    def thread_instructions_per_program(self) -> int:
+        return self.dynamic_per_thread * self.num_warps * 32
+
+    @property
+    def per_query_head_column(self) -> float:
+        return self.thread_instructions_per_program / (self.query_heads * self.columns)
+
+
+def analyse_sass(name: str, sass: str, loop_trips: list[int]) -> dict:
+    """Loops, mixes and tensor-core counts of one kernel's SASS; raises :class:`LoopMismatch`
+    when the outermost source loops do not number ``len(loop_trips)``."""
+    funcs = parse_sass(sass)
+    if not funcs:
+        raise ValueError(f"{name}: no SASS instructions found")
+    instrs = max(funcs.values(), key=len) if len(funcs) > 1 else next(iter(funcs.values()))
+    body = function_body(instrs)
+    groups = source_loops(find_loops(body))
+    if len(groups) != len(loop_trips):
+        raise LoopMismatch(f"{name}: static_kernels gives {len(loop_trips)} outermost loop(s) {list(loop_trips)}, "
+                           f"the SASS has {len(groups)}")
+    in_loop = {id(i) for g in groups for lp in g for i in lp.body}
+    straight = [i for i in body if id(i) not in in_loop]
+    reps = [min(g, key=lambda lp: len(lp.body)) for g in groups]
+    tensor = [i for i in body if i.base in TENSOR_OPS]
+    return {"straight_line": len(straight), "loop_bodies": [len(r.body) for r in reps],
+            "machine_loops": [len(g) for g in groups], "loop_mix": [mix(r.body) for r in reps],
+            "straight_mix": mix(straight), "tensor_core_instructions": len(tensor),
+            "tensor_core_instructions_in_loops": sum(1 for i in tensor if id(i) in in_loop),
+            "local_memory_instructions": sum(1 for i in body if i.base in ("LDL", "STL"))}
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def disassemble(cubin: bytes) -> tuple[str, int, int]:
+    """``(SASS with line info, registers, stack bytes)`` of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", fh.name], capture_output=True, text=True, check=True)
+        fields = dict(tok.split(":", 1) for tok in res.stdout.split() if tok.startswith(("REG:", "STACK:")))
+        nvdisasm = _tool("nvdisasm")
+        if os.path.exists(nvdisasm):
+            sass = subprocess.run([nvdisasm, "-gi", "-c", fh.name], capture_output=True, text=True, check=True).stdout
+        else:
+            sass = subprocess.run([_tool("cuobjdump"), "-sass", fh.name], capture_output=True, text=True,
+                                  check=True).stdout
+    return sass, int(fields["REG"]), int(fields["STACK"])
+
+
+def compile_kernel(k: dict) -> bytes:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    kernel = triton.compile(ASTSource(fn=k["fn"], signature=k["signature"], constexprs=k["constexprs"],
+                                      attrs=k.get("attrs")),
+                            target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": k["num_warps"], "num_stages": k["num_stages"]})
+    return kernel.asm["cubin"]
+
+
+def analyse_kernel(k: dict) -> KernelStats:
+    sass, regs, stack = disassemble(compile_kernel(k))
+    a = analyse_sass(k["name"], sass, list(k["loop_trips"]))
+    args = tuple(n for n, t in k["signature"].items() if t != "constexpr" and n in _Q_SHAPED | _KV_SHAPED)
+    return KernelStats(name=k["name"], backward=k["pass"] == "backward", num_warps=k["num_warps"],
+                       registers=regs, spill_bytes=stack, loop_trips=list(k["loop_trips"]),
+                       query_heads=k["query_heads"], columns=k["columns"], rows_per_program=k["rows_per_program"],
+                       tensor_flops_per_program=float(k.get("tensor_flops_per_program", 0.0)),
+                       bytes_per_program=k.get("bytes_per_program"), tensor_args=args, **a)
+
+
+# ----------------------------------------------------------------------------- an op
+def goal_rungs(two_tap: bool) -> int:
+    from fibattn.schedules import attended_distances, interpolation_plan
+    g, t = GOAL, max(LENGTHS)
+    if two_tap:
+        return len(interpolation_plan(g["window"], g["alpha"], f"fib:{g['fib_k']}", t).rungs)
+    return len(attended_distances(g["window"], g["alpha"], f"fib:{g['fib_k']}", t)) - (g["window"] + 1)
+
+
+def analyse_op(two_tap: bool) -> list[KernelStats]:
+    from fibattn.ops import triton_backend
+    g = GOAL
+    kerns = triton_backend.static_kernels(g["heads"] // g["kv_heads"], g["head_dim"], g["window"],
+                                          goal_rungs(two_tap), two_tap, dtype=g["dtype"])
+    return [analyse_kernel(k) for k in kerns]
+
+
+def per_query_head_column(stats: list[KernelStats]) -> float:
+    return sum(s.per_query_head_column for s in stats)
+
+
+def kernel_ms(s: KernelStats, T: int) -> float:
+    g = GOAL
+    programs = math.ceil(T / s.rows_per_program) * g["batch"] * g["kv_heads"]
+    issue = programs * s.dynamic_per_thread * s.num_warps / (SMS * SCHEDULERS * CLOCK_HZ * ISSUE_EFFICIENCY)
+    tensor = programs * s.tensor_flops_per_program / TENSOR_FLOPS
+    if s.bytes_per_program is not None:
+        nbytes = programs * float(s.bytes_per_program)
+    else:
+        elem = 4 if g["dtype"] == "fp32" else 2
+        nbytes = sum(g["batch"] * (g["heads"] if a in _Q_SHAPED else g["kv_heads"]) * T * g["head_dim"] * elem
+                     for a in s.tensor_args)
+    return (max(issue, tensor, nbytes / MEMORY_BPS) + LAUNCH_S) * 1e3
+
+
+def estimate_ms(stats: list[KernelStats], T: int) -> float:
+    return sum(kernel_ms(s, T) for s in stats)
+
+
+def fa2_ms(T: int) -> float:
+    g = GOAL
+    n = g["batch"] * g["heads"] * T * T * g["head_dim"]
+    return (2 * n / FA2_FWD_FLOPS + 5 * n / FA2_BWD_FLOPS) * 1e3
+
+
+def op_summary(stats: list[KernelStats]) -> dict:
+    return {
+        "kernels": [{"name": s.name, "registers": s.registers, "spill_bytes": s.spill_bytes,
+                     "tensor_core_instructions": s.tensor_core_instructions,
+                     "loop_instructions_per_thread": s.loop_bodies} for s in stats],
+        "thread_instructions_per_query_head_column": round(per_query_head_column(stats), 1),
+        "estimate_ms": {str(T): round(estimate_ms(stats, T), 4) for T in LENGTHS},
+        "fa2_estimate_ms": {str(T): round(fa2_ms(T), 4) for T in LENGTHS},
+        "details": [{"name": s.name, "backward": s.backward, "num_warps": s.num_warps, "query_heads": s.query_heads,
+                     "columns": s.columns, "loop_trips": s.loop_trips, "machine_loops": s.machine_loops,
+                     "straight_line_instructions": s.straight_line,
+                     "dynamic_instructions_per_thread": s.dynamic_per_thread,
+                     "thread_instructions_per_program": s.thread_instructions_per_program,
+                     "thread_instructions_per_query_head_column": round(s.per_query_head_column, 1),
+                     "local_memory_instructions": s.local_memory_instructions,
+                     "tensor_core_instructions_in_loops": s.tensor_core_instructions_in_loops,
+                     "loop_mix": s.loop_mix, "straight_mix": s.straight_mix} for s in stats],
+    }
+
+
+def report(integer: list[KernelStats], interp: list[KernelStats]) -> dict:
+    out = op_summary(integer)
+    out["interpolated"] = op_summary(interp)
+    out["ratio_interpolated_to_integer"] = round(per_query_head_column(interp) / per_query_head_column(integer), 3)
+    out["fa2_over_ours"] = {str(T): round(fa2_ms(T) / estimate_ms(integer, T), 3) for T in LENGTHS}
+    out["model"] = {"sms": SMS, "schedulers": SCHEDULERS, "clock_hz": CLOCK_HZ, "issue_efficiency": ISSUE_EFFICIENCY,
+                    "tensor_flops": TENSOR_FLOPS, "memory_bytes_per_s": MEMORY_BPS, "launch_s": LAUNCH_S,
+                    "fa2_fwd_flops": FA2_FWD_FLOPS, "fa2_bwd_flops": FA2_BWD_FLOPS, "setting": GOAL}
+    return out
+
+
+def check_goals(integer: list[KernelStats], interp: list[KernelStats]) -> list[tuple[str, bool, str]]:
+    """``(goal, passed, detail)`` for each of the issue's goals."""
+    res = []
+    for label, back in (("forward", False), ("backward", True)):
+        ks = [s for s in integer if s.backward == back]
+        n = sum(s.tensor_core_instructions_in_loops for s in ks)
+        res.append((f"tensor-core instructions in a loop body of the {label} kernels", bool(ks) and n > 0,
+                    f"{n} (" + ", ".join(f"{s.name}: {s.tensor_core_instructions}" for s in ks) + ")"))
+    x = per_query_head_column(integer)
+    res.append((f"<= {GOALS['max_thread_instructions']} thread-instructions per (query, head, column)",
+                x <= GOALS["max_thread_instructions"], f"{x:.0f}"))
+    spilled = [f"{s.name}: {s.spill_bytes} B stack, {s.local_memory_instructions} LDL/STL"
+               for s in integer + interp if s.spill_bytes or s.local_memory_instructions]
+    res.append(("no spills", not spilled, "; ".join(spilled) or "none"))
+    for T, need in GOALS["min_speedup"].items():
+        r = fa2_ms(T) / estimate_ms(integer, T)
+        res.append((f">= {need:g}x FlashAttention-2 at T={T}", r >= need, f"{r:.2f}x"))
+    r = per_query_head_column(interp) / x
+    res.append((f"interpolated <= {GOALS['max_interpolated_ratio']}x integer thread-instructions",
+                r <= GOALS["max_interpolated_ratio"], f"{r:.2f}x"))
+    return res
+
+
+# ----------------------------------------------------------------------------- printing
+def _print_op(title: str, stats: list[KernelStats]) -> None:
+    print(f"{title}: {per_query_head_column(stats):,.0f} thread-instructions per (query, head, column)")
+    print(f"  {'kernel':<28}{'pass':>5}{'warps':>6}{'regs':>5}{'stack':>6}{'LDL/STL':>8}{'MMA':>5}{'in loop':>8}"
+          f"{'straight':>9}  {'loops (trips x body)':<24}{'instr/thread':>13}{'per q,h,c':>10}")
+    for s in stats:
+        loops = " + ".join(f"{t}x{b}" + (f"[{m} sass]" if m > 1 else "")
+                           for t, b, m in zip(s.loop_trips, s.loop_bodies, s.machine_loops))
+        print(f"  {s.name:<28}{'bwd' if s.backward else 'fwd':>5}{s.num_warps:>6}{s.registers:>5}{s.spill_bytes:>6}"
+              f"{s.local_memory_instructions:>8}{s.tensor_core_instructions:>5}{s.tensor_core_instructions_in_loops:>8}"
+              f"{s.straight_line:>9}  {loops:<24}{s.dynamic_per_thread:>13,}{s.per_query_head_column:>10,.0f}")
+    for s in stats:
+        for i, m in enumerate(s.loop_mix):
+            print(f"    {s.name} loop {i} body: " + ", ".join(f"{k} {v}" for k, v in m.items()))
+        print(f"    {s.name} straight line: " + ", ".join(f"{k} {v}" for k, v in s.straight_mix.items()))
+
+
+def print_report(integer: list[KernelStats], interp: list[KernelStats]) -> None:
+    g = GOAL
+    print(f"sm_90, B {g['batch']} H {g['heads']} Hkv {g['kv_heads']} Dh {g['head_dim']} {g['dtype']}, "
+          f"W {g['window']}, fib:{g['fib_k']} alpha {g['alpha']} -> {goal_rungs(False)} rungs\n")
+    _print_op("integer op", integer)
+    print()
+    _print_op("interpolated op", interp)
+    r = per_query_head_column(interp) / per_query_head_column(integer)
+    print(f"\ninterpolated / integer: {r:.2f}x\n")
+    print(f"H200 static model ({SMS} SMs x {SCHEDULERS} issue x {CLOCK_HZ / 1e9:.2f} GHz x {ISSUE_EFFICIENCY}, "
+          f"{TENSOR_FLOPS / 1e12:.0f} TFLOP/s tensor, {MEMORY_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch), "
+          f"forward + backward:")
+    print(f"  {'T':>6}{'integer ms':>12}{'interp ms':>11}{'FA2 ms':>10}{'FA2/int':>9}{'FA2/interp':>11}")
+    for T in LENGTHS:
+        a, b, f = estimate_ms(integer, T), estimate_ms(interp, T), fa2_ms(T)
+        print(f"  {T:>6}{a:>12.3f}{b:>11.3f}{f:>10.3f}{f / a:>9.2f}{f / b:>11.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", metavar="FILE", help="write the integer op's numbers (and the interpolated op's) here")
+    ap.add_argument("--goals", action="store_true", help="check issue 22's goals; exit 1 naming those that fail")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("gpu_static: unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    try:
+        integer, interp = analyse_op(False), analyse_op(True)
+    except LoopMismatch as exc:
+        print(f"gpu_static: loop mismatch: {exc}", file=sys.stderr)
+        return 2
+    print_report(integer, interp)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(report(integer, interp), fh, indent=1)
+    if args.goals:
+        res = check_goals(integer, interp)
+        print("\ngoals (issue 22):")
+        for goal, ok, detail in res:
+            print(f"  {'PASS' if ok else 'FAIL'}  {goal}: {detail}")
+        failed = [goal for goal, ok, _ in res if not ok]
+        if failed:
+            print("goals failed: " + "; ".join(failed), file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
