@@ -1,0 +1,33 @@
+"""``tools/gpu_check.py`` keeps running where no GPU is: its ``--quick`` plumbing on the CPU
+(the attention bench's records and the static model's step, with the summary's goals), so
+that the script a lent device runs has not gone stale by the time one is lent."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_check_runs_on_cpu(tmp_path):
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only",
+                          "attention,static", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=400, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary.get("errors"), summary.get("errors")
+    assert {s["status"] for s in summary["steps"].values()} == {"ok"}, summary["steps"]
+    paths = {x["path"] for x in summary["attention"]["records"]}
+    assert {"dense", "integer", "interpolated"} <= paths, paths
+    static = summary["static_model"]
+    assert set(static["estimate_ms"]) == {"4096", "16384", "65536"} and static["measured_ms"]
+    assert summary["goals"]["interpolated/integer (worst length)"]["measured"] > 0
+    assert summary["goals"]["dense/integer fwd+bwd at 65536"]["goal"] == ">= 60.0"
