@@ -240,6 +240,9 @@ def test_attention_dense_backend_falls_through_to_first_that_runs(monkeypatch, o
 def test_attention_json_backend_field(capsys, one_thread):
     assert cli_main(["bench", "attention", "--lengths", "32", "--repeats", "1", "--no-memory", "--paths", "dense",
                      "--heads", "2", "--head-dim", "16", "--json"]) == 0
-    rec = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    rec = lines[0]
     assert rec["path"] == "dense" and rec["backend"].startswith("sdpa-cpu-")
+    host = [r for r in lines if r.get("check") == "host_overhead"]       # values: the benchmark's business
+    assert [r["op"] for r in host] == ["integer", "interpolated"] and all(r["public_us"] > 0 for r in host)
     assert bp.sdpa_label("flash", "cuda:0") == "sdpa-flash" and bp.sdpa_label("math", "cpu") == "sdpa-cpu-math"

@@ -20,6 +20,10 @@ Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting
 - ``integer``: :func:`fibattn.sparse_attention` with the ``auto`` backend (named in the table);
 - ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``.
 
+After the table, one line per op gives its per-call host overhead (:func:`host_overhead`, ~0.5 s
+each): the public op on the ``cpu`` backend at T=16, forward+backward, against its kernels
+called directly, and how much of the difference autograd alone accounts for.
+
 On CUDA each timed round runs enough calls to last ~20 ms before it synchronises, and the
 integer and interpolated rows also report the kernels' own memory traffic in GB/s (each
 kernel reading its inputs and writing its outputs once) next to a device-to-device copy
@@ -45,11 +49,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import fibattn
+
 from ..devices import device_memory_bytes
+from ..ops import backend_available, cpu_backend, eager
+from ..ops.columns import ColumnSpec
+from ..schedules import as_base
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, PATHS, BenchConfig, _inputs, backend_name,
                               make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
 
-__all__ = ["BenchConfig", "Record", "PATHS", "bench_length", "configure_parser", "run", "table"]
+__all__ = ["BenchConfig", "HostOverhead", "Record", "PATHS", "bench_length", "configure_parser", "host_overhead", "run",
+           "table"]
 
 
 @dataclass
@@ -150,6 +160,89 @@ def measure_in_subprocess(cfg: BenchConfig, path: str, T: int, sdpa: str | None 
     if res.returncode != 0:
         raise RuntimeError(f"memory worker for {path} at T={T} failed: {res.stderr.strip()[-500:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- host overhead
+@dataclass
+class HostOverhead:
+    op: str
+    public_us: float           # the public op, forward+backward through autograd
+    direct_us: float           # its kernel set called directly, no autograd
+    overhead_us: float         # public_us - direct_us
+    autograd_us: float         # the floor: eager.Attention (the kernels in a bare autograd Function) - direct_us
+
+    @property
+    def fibattn_us(self) -> float:
+        """What fibattn adds over the least a differentiable eager op costs (the floor)."""
+        return self.overhead_us - self.autograd_us
+
+    def line(self) -> str:
+        return (f"host overhead per call (cpu, T=16, fwd+bwd, {self.op}): public op {self.public_us:.0f} µs, "
+                f"kernels direct {self.direct_us:.0f} µs, overhead {self.overhead_us:.0f} µs = PyTorch's autograd "
+                f"floor {self.autograd_us:.0f} µs + fibattn {self.fibattn_us:.0f} µs")
+
+
+def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) -> HostOverhead:
+    """What the public op (``integer`` or ``interpolated``) costs per call over its kernels.
+
+    The ``cpu`` backend at B=1, H=2, T=16, Dh=16, one thread: forward+backward through autograd
+    (``torch.autograd.grad``) against ``cpu_backend.plan`` / ``forward`` / ``backward`` called
+    directly, and against the eager path's bare autograd Function (``eager.Attention``: the
+    kernels and a cached column plan, no checks, no backend resolution — PyTorch's floor for any
+    differentiable eager op); fibattn's own cost is what the public op adds over it. Rounds of ``calls`` calls alternate for about ``seconds``; each is
+    its fastest round, since load from other processes only ever adds time.
+    """
+    if op not in ("integer", "interpolated"):
+        raise ValueError(f"op must be 'integer' or 'interpolated', got {op!r}")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scale = 0.25                             # the public ops' default at Dh=16
+    if op == "integer":
+        dists, alpha = [0, 1, 2, 3, 5, 8, 13], None
+        spec = ColumnSpec(tuple(dists))
+
+        def forward():
+            return fibattn.sparse_attention(*leaves, dists, backend="cpu")
+    else:
+        alpha = torch.tensor(1.3, dtype=torch.float64)
+        spec = ColumnSpec(None, 3, tuple(as_base("fib").resolve(16)), None)
+        leaves.append(alpha.clone().requires_grad_())
+
+        def forward():
+            return fibattn.interpolated_sparse_attention(*leaves[:3], alpha=leaves[3], base="fib", window=3,
+                                                         backend="cpu")
+
+    def public():
+        torch.autograd.grad(forward(), leaves, dout)
+
+    def function():
+        out = eager.Attention.apply(*leaves[:3], leaves[3] if len(leaves) > 3 else None, cpu_backend, spec, scale)
+        torch.autograd.grad(out, leaves, dout)
+
+    def direct():
+        plan = cpu_backend.plan(spec, alpha, 16)
+        out, aux = cpu_backend.forward(q, k, v, spec, alpha, scale, plan=plan)
+        cpu_backend.backward(dout, q, k, v, out, aux, spec, alpha, scale, alpha is not None, plan=plan)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # an OpenMP team's start-up is not what is measured
+    try:
+        steps = (public, function, direct)
+        for fn in steps:
+            fn()                             # warm-up (and the kernels' first load)
+        best = [float("inf")] * len(steps)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for i, fn in enumerate(steps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    pub, bare, kern = best
+    return HostOverhead(op, pub, kern, pub - kern, bare - kern)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -331,6 +424,15 @@ def run(args) -> int:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
         print(table(records, copy_rate), file=out, flush=True)
+    why = backend_available("cpu", torch.device("cpu"))
+    if why is not None:
+        print(f"host overhead: not measured, {why}", file=out, flush=True)
+    else:
+        for op in ("integer", "interpolated"):
+            res = host_overhead(op)
+            print(res.line(), file=out, flush=True)
+            if args.json:
+                print(json.dumps({**asdict(res), "fibattn_us": res.fibattn_us, "check": "host_overhead"}), flush=True)
     if cfg.memory_check:
         T = cfg.memory_check
         on_cuda = cfg.on_cuda

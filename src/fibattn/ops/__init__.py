@@ -7,18 +7,21 @@ the output has q's shape and dtype.
 Backends (``backends``; chosen explicitly, ``auto`` logs its pick once): ``reference``,
 ``torch``, ``cpu``, ``triton``, ``flex``. The ``torch``, ``cpu`` and ``triton`` kernel sets
 run behind ``torch.library`` custom ops (``custom_ops``), so ``torch.compile`` traces
-both ops — a learned alpha included — without graph breaks.
+both ops — a learned alpha included — without graph breaks; plain eager calls skip the
+custom-op dispatch and call the kernel set directly (``eager``), with the same results.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
 import torch
 
-from ..schedules import BaseLike, as_base, interpolation_plan
-from . import custom_ops
+from ..schedules import Base, BaseLike, as_base, interpolation_plan
+from . import custom_ops, eager
 from .backends import BACKENDS, backend_available, resolve_backend
+from .columns import ColumnSpec
 
 __all__ = ["BACKENDS", "backend_available", "resolve_backend", "sparse_attention", "interpolated_sparse_attention"]
 
@@ -30,13 +33,14 @@ def _check_qkv(q, k, v):
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if not x.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, H, T, Dh = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (B, T, Dh):
-        raise ValueError(f"k/v must be (B={B}, Hkv, T={T}, Dh={Dh}) to match q, got {tuple(k.shape)}")
-    if k.shape[1] < 1 or H % k.shape[1]:
-        raise ValueError(f"H ({H}) must be divisible by Hkv ({k.shape[1]})")
+    (B, H, T, Dh), kshape = q.shape, k.shape          # each .shape builds a new torch.Size: read once
+    if kshape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(kshape)} and {tuple(v.shape)}")
+    Bk, Hkv, Tk, Dk = kshape
+    if (Bk, Tk, Dk) != (B, T, Dh):
+        raise ValueError(f"k/v must be (B={B}, Hkv, T={T}, Dh={Dh}) to match q, got {tuple(kshape)}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(f"H ({H}) must be divisible by Hkv ({Hkv})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -75,6 +79,15 @@ def _check_alpha(alpha) -> float:
     return value
 
 
+def _base_values(window, base: BaseLike, T: int, reach) -> tuple[int, ...]:
+    """The base resolved at length ``T``, after checking window, base and reach (``interpolation_plan``)."""
+    interpolation_plan(window, 1.0, base, max(T, 1), reach=reach)
+    return tuple(as_base(base).resolve(max(T, 1), reach))
+
+
+_cached_base_values = functools.lru_cache(maxsize=256, typed=True)(_base_values)   # ~20 µs a call otherwise
+
+
 def _empty_like(q):
     return q.new_zeros(q.shape) + 0 * q.sum()
 
@@ -102,6 +115,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
     if name == "flex":
         from . import flex_backend
         return flex_backend.sparse_attention(q, k, v, dists, scale)
+    if eager.eligible(q, k, v):
+        return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale)
     return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend)[0]
 
 
@@ -123,12 +138,17 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device, interpolated=True)
     T = q.shape[2]
-    interpolation_plan(window, 1.0, base, max(T, 1), reach=reach)         # validates window, base and reach
+    # a name or a Base is hashable and immutable (a list or tensor of values is neither); the
+    # compiler traces the plain function (T may be symbolic, and it warns about lru_cache)
+    cached = isinstance(base, (str, Base)) and isinstance(window, int) and isinstance(reach, (int, type(None))) \
+        and not torch.compiler.is_compiling()
+    values = (_cached_base_values if cached else _base_values)(window, base, T, reach)
     if T == 0:
         return _empty_like(q) + 0 * alpha.to(q.dtype)
     if name == "reference":
         plan = interpolation_plan(window, float(alpha.detach()), base, T, reach=reach)
         out = _reference().interpolated_sparse_attention(q, k, v, alpha, plan, scale)
         return out + 0 * alpha.to(out.dtype) if not plan.rungs else out     # alpha stays in the graph
-    values = as_base(base).resolve(T, reach)
+    if eager.eligible(q, k, v, alpha):
+        return eager.attention(name, backend, q, k, v, ColumnSpec(None, window, tuple(values), reach), alpha, scale)
     return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend)[0]

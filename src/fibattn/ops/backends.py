@@ -11,6 +11,7 @@ run (the log line gives the reason).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
@@ -26,6 +27,7 @@ _PREFERRED = {"cpu": "cpu", "cuda": "triton"}
 _auto_logged: set = set()
 
 
+@functools.cache                  # import_module's lookup costs ~1 µs, and every call asks
 def _module(name: str):
     return importlib.import_module(f"{__package__}.{_MODULES[name]}")
 
@@ -67,22 +69,32 @@ def resolve_backend(backend: str, device: torch.device, *, interpolated: bool = 
     return backend
 
 
-def announce(backend: str, device: torch.device) -> None:
-    """Log what ``auto`` picked on this kind of device, once per process."""
+def announce(backend: str, device: torch.device, chosen: str | None = None) -> None:
+    """Log what ``auto`` picked on this kind of device, once per process (``chosen``, when the
+    caller resolved it already, makes the logged-before case a set lookup)."""
     if backend != "auto":
         return
-    chosen, why = _auto(torch.device(device))
-    key = (torch.device(device).type, chosen)
+    device = torch.device(device)
+    if (device.type, chosen) in _auto_logged:
+        return
+    chosen, why = _auto(device)
+    key = (device.type, chosen)
     if key not in _auto_logged:
         _auto_logged.add(key)
         log.info("fibattn: backend auto -> %s on %s%s", chosen, key[0], f" ({why})" if why else "")
 
 
-def kernel_set(backend: str, device: torch.device, *, interpolated: bool = False, log: bool = True):
-    """The module implementing ``forward`` / ``backward`` / ``aux_like`` for ``backend`` here."""
-    name = resolve_backend(backend, device, interpolated=interpolated)
+def kernels(name: str):
+    """The module implementing ``forward`` / ``backward`` / ``aux_like`` for resolved backend ``name``."""
     if name not in KERNEL_SETS:
         raise ValueError(f"backend {name!r} has no fused kernel set (one of {', '.join(KERNEL_SETS)})")
-    if log:
-        announce(backend, device)
     return _module(name)
+
+
+def kernel_set(backend: str, device: torch.device, *, interpolated: bool = False, log: bool = True):
+    """:func:`kernels` of ``backend`` resolved on ``device`` (``auto`` logged once unless ``log`` is False)."""
+    name = resolve_backend(backend, device, interpolated=interpolated)
+    kern = kernels(name)
+    if log:
+        announce(backend, device, name)
+    return kern

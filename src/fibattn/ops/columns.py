@@ -12,6 +12,7 @@ so reading ``alpha`` never synchronises with the GPU.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ def _exact(dists) -> Columns:
     return Columns(tuple(dists), (1.0,) * n, (0.0,) * n, (False,) * n, (0,) * n)
 
 
+@functools.lru_cache(maxsize=256)     # ~15 µs to build; the same (spec, alpha, T) every step unless alpha is learned
 def host_columns(spec: ColumnSpec, alpha: float | None, T: int) -> Columns:
     """The ``spec.count`` columns at length ``T``; unusable ones get ``lo = T`` (never valid)."""
     if not spec.interpolated:
@@ -94,36 +96,49 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
-def host_forward(attn_forward, q, k, v, spec: ColumnSpec, alpha, scale: float):
-    """``(out in q's dtype, P)`` through a host kernel set's ``attn_forward`` over Columns."""
+def host_plan(spec: ColumnSpec, alpha, T: int) -> Columns:
+    """:func:`host_columns` for ``alpha`` a 0-d tensor (read on the host) or None (integer distances)."""
+    return host_columns(spec, None if alpha is None else float(alpha.detach()), T)
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)      # skips a no-op .to's dispatch (eager calls are µs-bound)
+
+
+def host_forward(attn_forward, q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None):
+    """``(out in q's dtype, P)`` through a host kernel set's ``attn_forward`` over Columns
+    (``plan``, or the columns of ``spec`` at ``alpha``)."""
     cd = compute_dtype(q.dtype)
-    cols = host_columns(spec, None if alpha is None else float(alpha.detach()), q.shape[2])
-    out, P = attn_forward(q.to(cd), k.to(cd), v.to(cd), cols, scale)
-    return out.to(q.dtype), P
+    cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
+    out, P = attn_forward(_to(q, cd), _to(k, cd), _to(v, cd), cols, scale)
+    return _to(out, q.dtype), P
 
 
 def host_backward(attn_backward, dout, q, k, v, out, P, spec: ColumnSpec, alpha, scale: float,
-                  need_dalpha: bool):
-    """``(dq, dk, dv, dalpha or None)`` through a host kernel set's ``attn_backward``."""
+                  need_dalpha: bool, plan: Columns | None = None):
+    """``(dq, dk, dv, dalpha or None)`` through a host kernel set's ``attn_backward``; ``plan``
+    as in :func:`host_forward` (the eager path hands the forward's columns over)."""
     cd = compute_dtype(q.dtype)
-    cols = host_columns(spec, None if alpha is None else float(alpha.detach()), q.shape[2])
-    args = [x.to(cd).contiguous() for x in (q, k, v, out, P, dout)]
+    cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
+    args = [_to(x, cd).contiguous() for x in (q, k, v, out, P, dout)]
     dq, dk, dv, dfrac = attn_backward(*args, cols, scale, need_dfrac=need_dalpha)
     da = dalpha(dfrac, cols.b, alpha) if need_dalpha else None
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), da
+    return _to(dq, q.dtype), _to(dk, k.dtype), _to(dv, v.dtype), da
 
 
 def host_interface(attn_forward, attn_backward):
-    """``(forward, backward, aux_like)`` of the op interface for a host kernel set's fused pair."""
-    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float):
-        return host_forward(attn_forward, q, k, v, spec, alpha, scale)
+    """``(forward, backward, aux_like, plan)`` of the op interface for a host kernel set's fused
+    pair; ``forward`` / ``backward`` take an optional ``plan=`` (``plan(spec, alpha, T)``'s
+    Columns) so that a caller running both computes the columns once."""
+    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None):
+        return host_forward(attn_forward, q, k, v, spec, alpha, scale, plan)
 
-    def backward(dout, q, k, v, out, aux, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool):
-        return host_backward(attn_backward, dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha)
+    def backward(dout, q, k, v, out, aux, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool,
+                 plan: Columns | None = None):
+        return host_backward(attn_backward, dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha, plan)
 
     def aux_like(q, spec: ColumnSpec):
         """The saved softmax state: ``P`` ``(B, H, T, C)`` in the compute dtype."""
         return q.new_empty(*q.shape[:3], spec.count, dtype=compute_dtype(q.dtype))
 
-    return forward, backward, aux_like
-
+    return forward, backward, aux_like, host_plan

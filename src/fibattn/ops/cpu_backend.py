@@ -15,6 +15,7 @@ loaded, so the kernels and torch share one OpenMP runtime.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -107,10 +108,11 @@ def _load() -> _Build:
 
 def _build() -> _Build:
     global _state
-    with _lock:
-        if _state is None:
-            _state = _load()
-        return _state
+    if _state is None:          # the lock for the first load only: every kernel call asks
+        with _lock:
+            if _state is None:
+                _state = _load()
+    return _state
 
 
 def unavailable(device) -> str | None:
@@ -181,6 +183,7 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
 
 
 # ------------------------------------------------------------------------- fused op
+@functools.lru_cache(maxsize=64)      # the kernels only read these arrays; building them costs µs per call
 def _columns(cols, dtype):
     if not cols.lo or cols.lo[0] != 0:
         raise ValueError(f"fused columns must start with distance 0 (every row attends to itself), got {cols.lo}")
@@ -224,4 +227,4 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     return dq, dk, dv, (dfrac[:C] if need_dfrac else None)
 
 
-forward, backward, aux_like = host_interface(attn_forward, attn_backward)      # the op interface
+forward, backward, aux_like, plan = host_interface(attn_forward, attn_backward)      # the op interface

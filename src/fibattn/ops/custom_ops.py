@@ -4,10 +4,11 @@
 - ``fibattn::interpolated_sparse_attention(q, k, v, alpha, window, base, reach, scale,
   backend) -> (out, aux)``
 
-each with a ``..._backward`` op and a registered autograd formula. The public functions
-call them through :class:`SparseAttention` / :class:`InterpolatedSparseAttention`, autograd
-Functions sharing that formula, because functorch's transforms see those and not a
-registered formula.
+each with a ``..._backward`` op and a registered autograd formula. Under tracing (the
+compiler, functorch, a dispatch mode) the public functions call them through
+:class:`SparseAttention` / :class:`InterpolatedSparseAttention`, autograd Functions sharing
+that formula, because functorch's transforms see those and not a registered formula; plain
+eager calls skip this dispatch (``eager``).
 
 ``aux`` is the backend's saved softmax state (``P`` ``(B, H, T, C)`` for ``torch`` / ``cpu``,
 the log-sum-exp ``(B, H, T)`` for ``triton``); its shape depends only on the arguments,
@@ -86,9 +87,13 @@ def _(dout, q, k, v, out, aux, dists, scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+def double_backward_error(name: str) -> RuntimeError:
+    return RuntimeError(f"fibattn::{name} has no second derivative (double backward is not supported)")
+
+
 def _no_double_backward(name):
     def backward(ctx, *grads):
-        raise RuntimeError(f"fibattn::{name} has no second derivative (double backward is not supported)")
+        raise double_backward_error(name)
     return staticmethod(backward)
 
 

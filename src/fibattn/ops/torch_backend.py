@@ -125,5 +125,5 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     return dq, dk, dv, dfrac
 
 
-forward, backward, aux_like = host_interface(attn_forward, attn_backward)      # the op interface
+forward, backward, aux_like, plan = host_interface(attn_forward, attn_backward)      # the op interface
 _SELF = sys.modules[__name__]
