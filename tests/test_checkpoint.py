@@ -85,3 +85,12 @@ def test_latest_valid_skips_bad_and_prune(tmp_path, caplog):
     ck.clean_tmp(tmp_path)
     assert not (tmp_path / "step-4.tmp").exists()
     assert ck.latest_valid(tmp_path / "nothing") is None
+
+
+def test_begin_replaces_a_stale_tmp_folder(tmp_path):
+    # a save interrupted in this process (no resume ran clean_tmp) must not block or leak into the next one
+    stale = tmp_path / "step-3.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half a file")
+    tmp = ck.begin(tmp_path, 3)
+    assert tmp == stale and list(tmp.iterdir()) == []

@@ -151,7 +151,8 @@ def test_pickled_or_broken_weights_are_refused(tmp_path):
     folder = tmp_path / "llama"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32, "num_attention_heads": 2,
-                                                     "num_hidden_layers": 1, "vocab_size": 10}))
+                                                     "num_hidden_layers": 1, "vocab_size": 10,
+                                                     "intermediate_size": 64}))
     (folder / "pytorch_model.bin").write_bytes(b"\x80\x04not read")
     with pytest.raises(ValueError, match="pytorch_model.bin is a pickle, which fibattn never loads"):
         open_source(folder)

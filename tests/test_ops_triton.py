@@ -132,6 +132,15 @@ def test_tile_boundaries(device):
               run(interp(0, [1, 2, 3, 5], "reference"), q, k, v, dout, a), **FP64)
 
 
+def test_band_wider_than_one_key_block(device):
+    """W = 49: a tile's M + W = 65 band keys take two 64-key blocks, the second holding only the tile's
+    last key (forward, dq) or its last band query row (dk, dv); W = 47 and 48 fit one block. Odd and
+    even rung counts (rungs go RB = 2 at a time), one of them on a tile's first row (lo = 64)."""
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=90, Dh=8, dtype=torch.float64, seed=13, device=device)
+    for dists in (list(range(50)), list(range(49)) + [64], list(range(48)) + [55, 64, 89], list(range(50)) + [61, 75]):
+        close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+
+
 def test_small_tiles(device, monkeypatch):
     """32-row tiles: columns and clamped second taps that cross several tile boundaries."""
     monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "32")

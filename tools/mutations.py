@@ -5,8 +5,9 @@
 Each mutation below replaces one exact piece of source (it must occur exactly once, or the
 mutation is reported *stale*: move it with the code) in a fresh copy of ``src/``, ``tests/``
 and ``pyproject.toml``, then runs the tests that should notice. A mutation is *caught* when
-those tests fail. The run prints each verdict, then ``caught N/M`` and the survivors, and
-exits 1 unless every mutation is caught. Run on demand (minutes), not in CI.
+those tests fail. The run prints each verdict, then ``caught N/M`` and the survivors (stale
+entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not
+in CI; ``tests/test_mutations_tool.py`` (default suite) checks that every entry still applies.
 """
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ OPS = "src/fibattn/ops/"
 C = OPS + "cpu_kernels.c"
 TK = OPS + "triton_kernels.py"
 DEFS = "tests/test_ops_definitions.py"
+TRITON = "tests/test_ops_triton.py"
+BAND = (TRITON, "-k", "band_wider")
+PPL = "src/fibattn/eval/perplexity.py"
+REPORT = "src/fibattn/study/report.py"
+RETRO = "src/fibattn/study/retrofit_report.py"
+RECIPE = "src/fibattn/trainer/init_recipe.py"
+TRAINER = "src/fibattn/trainer/trainer.py"
+NAMES = "src/fibattn/model/llama_names.py"
+INIT_SOURCE = "src/fibattn/storage/init_source.py"
+EDGES = "tests/test_eval_edges.py"
+EQUIV = "tests/test_equivalences.py"
+THRESH = "tests/test_check_thresholds.py"
+LLAMA = "tests/test_llama_independent.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -55,7 +69,7 @@ MUTATIONS = [
     Mutation("default-scale", "scale", OPS + "__init__.py",
              "return 1.0 / math.sqrt(head_dim) if head_dim else 1.0", "return 1.0 / head_dim if head_dim else 1.0",
              (DEFS,)),
-    Mutation("decode-scale", "scale", "src/fibattn/kvcache.py",
+    Mutation("decode-scale", "scale", "src/fibattn/generation/kvcache.py",
              "    scale = 1.0 / math.sqrt(Dh)\n", "    scale = 1.0 / Dh\n", ("tests/test_generate.py",)),
     # ---------------------------------------------------------------- grouped heads
     Mutation("c-dkdv-one-head", "GQA reduction", C,
@@ -110,9 +124,9 @@ MUTATIONS = [
              "    return torch.float32 if dtype in _LOW_PRECISION else dtype\n", "    return dtype\n",
              ("tests/test_ops.py", "-k", "bf16")),
     # ---------------------------------------------------------------- the model and training
-    Mutation("rope-frequency", "RoPE frequency", "src/fibattn/rope.py",
+    Mutation("rope-frequency", "RoPE frequency", "src/fibattn/model/rope.py",
              "* 2 / head_dim)", "/ head_dim)", ("tests/test_attention_module.py", "-k", "rope")),
-    Mutation("no-grad-clipping", "clipping", "src/fibattn/train.py",
+    Mutation("no-grad-clipping", "clipping", "src/fibattn/trainer/trainer.py",
              "clip_grad_norm_(self.params, clip)", "clip_grad_norm_(self.params, float(\"inf\"))",
              ("tests/test_train.py", "-k", "clip")),
     Mutation("dalpha-ignores-base", "kernel offsets", OPS + "columns.py",
@@ -123,19 +137,112 @@ MUTATIONS = [
              "        return self.a_min + (self.a_max - self.a_min) * "
              "((torch.sigmoid(self.theta) - self.theta).detach() + self.theta)\n",
              ("tests/test_schedules.py", "-k", "learned")),
-    Mutation("hf-key-detached", "gradients", "src/fibattn/hf.py",
-             "out = sparse_attention(query, key, value,", "out = sparse_attention(query, key.detach(), value,",
+    Mutation("hf-key-detached", "gradients", "src/fibattn/interop/hf_llama.py",
+             "out = sparse_attention(query, key, value, dists,",
+             "out = sparse_attention(query, key.detach(), value, dists,",
              ("tests/test_hf_dropin.py",)),
     Mutation("tracker-import-error-uncaught", "trackers", "src/fibattn/trainer/logs.py",
              "import SummaryWriter\n            except ImportError:",
              "import SummaryWriter\n            except AttributeError:", ("tests/test_trackers.py",)),
-    Mutation("checkpoint-tmp-kept", "crash safety", "src/fibattn/checkpoint.py",
+    Mutation("checkpoint-tmp-kept", "crash safety", "src/fibattn/storage/checkpoint.py",
              "    if tmp.exists():\n        shutil.rmtree(tmp)", "    if False:\n        shutil.rmtree(tmp)",
-             ("tests/test_reliability_faults.py", "-k", "kill9")),
+             ("tests/test_checkpoint.py", "tests/test_reliability_faults.py", "-k", "kill9 or stale_tmp")),
     Mutation("loader-skips-on-resume", "loader resume", "src/fibattn/data/loader.py",
              "self.cursor = int(state[\"cursor\"]) if same",
              "self.cursor = int(state[\"cursor\"]) + self.world_size * self.micro_batch if same",
              ("tests/test_data_loader.py",)),
+    # ================================================================ round two (issue 24): one block per kind
+    # ---------------------------------------------------------------- 1. constants that coincide in tests
+    Mutation("recipe-lr-reads-steps-fraction", "coinciding consts", RECIPE,
+             't.lr = float(f"{t.lr * t.min_lr_ratio:.6g}")', 't.lr = float(f"{t.lr * STEPS_FRACTION:.6g}")',
+             ("tests/test_recipe_constants.py",)),
+    Mutation("recipe-warmup-steps-fraction", "coinciding consts", RECIPE,
+             "max(1, round(WARMUP_FRACTION * t.steps))", "max(1, round(STEPS_FRACTION * t.steps))",
+             ("tests/test_recipe_constants.py",)),
+    Mutation("lr-floor-reads-weight-decay", "coinciding consts", "src/fibattn/trainer/optim.py",
+             "    low = t.lr * t.min_lr_ratio\n", "    low = t.lr * t.weight_decay\n",
+             ("tests/test_recipe_constants.py",)),
+    Mutation("headline-factor-hardcoded", "coinciding consts", REPORT,
+             "r.get(dataset, factor * r.train_len)", "r.get(dataset, 4 * r.train_len)", (THRESH,)),
+    Mutation("retrofit-long-hardcoded", "coinciding consts", RETRO,
+             "    return factor * x.run.train_len\n", "    return 4 * x.run.train_len\n", (THRESH,)),
+    Mutation("eval-targets-shifted", "coinciding consts", PPL,
+             "    targets = arr[1:n + 1]\n", "    targets = arr[:n]\n", (EDGES, "-k", "scored_record")),
+    # ---------------------------------------------------------------- 2. kernel tiles (Triton band blocks, rungs)
+    Mutation("triton-fwd-band-last-block", "kernel tiles", TK,
+             "range(i0 - WB, i0 + BLOCK_M, BLOCK_N):        # the band",
+             "range(i0 - WB, i0 + BLOCK_M - 1, BLOCK_N):        # the band", BAND),
+    Mutation("triton-dq-band-last-block", "kernel tiles", TK,
+             "range(i0 - WB, i0 + BLOCK_M, BLOCK_N):\n", "range(i0 - WB, i0 + BLOCK_M - 1, BLOCK_N):\n", BAND),
+    Mutation("triton-dkdv-band-last-block", "kernel tiles", TK,
+             "range(j0, j0 + BLOCK_M + WB, BLOCK_N)", "range(j0, j0 + BLOCK_M + WB - 1, BLOCK_N)", BAND),
+    Mutation("triton-dq-odd-rung-dropped", "kernel tiles", TK,
+             "    for r0 in range(0, nr, RB):\n", "    for r0 in range(0, nr - 1, RB):\n", BAND),
+    # ---------------------------------------------------------------- 3. records compared only with themselves
+    Mutation("eval-sha-of-native-dtype", "self-compared", PPL,
+             "hashlib.sha256(targets.astype(np.int64).tobytes())", "hashlib.sha256(targets.tobytes())",
+             (EDGES, "-k", "scored_record")),
+    Mutation("data-id-ignores-weights", "self-compared", "src/fibattn/data/loader.py",
+             'rec = [(s["name"], s["weight"], [r["sha256"]', 'rec = [(s["name"], [r["sha256"]',
+             (EQUIV, "-k", "changed_training_data")),
+    Mutation("llama-gate-up-swapped", "self-compared", NAMES,
+             '"ffn.gate": "mlp.gate_proj", "ffn.up": "mlp.up_proj"',
+             '"ffn.gate": "mlp.up_proj", "ffn.up": "mlp.gate_proj"', (LLAMA, "-k", "exported")),
+    Mutation("llama-norms-swapped", "self-compared", NAMES,
+             '"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"',
+             '"attn_norm": "post_attention_layernorm", "ffn_norm": "input_layernorm"', (LLAMA, "-k", "exported")),
+    # ---------------------------------------------------------------- 4. equivalences
+    Mutation("accum-loss-not-averaged", "equivalence", TRAINER,
+             "(loss / self.accum).backward()", "loss.backward()", (EQUIV, "-k", "accumulation")),
+    Mutation("accum-logged-loss-summed", "equivalence", TRAINER,
+             "torch.stack([loss_sum / self.accum,", "torch.stack([loss_sum,", (EQUIV, "-k", "accumulation")),
+    Mutation("batch-seed-not-per-row", "equivalence", "src/fibattn/generation/decode.py",
+             "seeds = [seed + r for r in range(batch)]", "seeds = [seed for r in range(batch)]",
+             (EQUIV, "-k", "seed")),
+    Mutation("next-global-own-cursor", "equivalence", "src/fibattn/data/loader.py",
+             '"next_global": self.cursor - self.rank * self.micro_batch', '"next_global": self.cursor',
+             (EQUIV, "-k", "global_position")),
+    # ---------------------------------------------------------------- 5. edge arithmetic in evaluation
+    Mutation("bucket-count-not-capped", "eval edges", PPL,
+             "    nb = min(buckets, length)\n", "    nb = buckets\n", (EDGES, "-k", "bucket")),
+    Mutation("bucket-edges-integer-step", "eval edges", PPL,
+             "return [round(i * length / nb) for i in range(nb + 1)]",
+             "return [i * (length // nb) for i in range(nb + 1)]", (EDGES, "-k", "bucket")),
+    Mutation("bucket-count-per-window", "eval edges", PPL,
+             "buckets=position_buckets(pos_sum, pos_count, buckets)",
+             "buckets=position_buckets(pos_sum, windows, buckets)",
+             (EDGES, "-k", "bucket")),
+    Mutation("budget-boundary-strict", "eval edges", PPL,
+             "    if n < longest:\n", "    if n <= longest:\n", (EDGES, "-k", "boundary")),
+    Mutation("budget-counts-input-token", "eval edges", PPL,
+             "n = (min(tokens, available - 1) // longest)", "n = (min(tokens, available) // longest)",
+             (EDGES, "-k", "boundary")),
+    # ---------------------------------------------------------------- 6. pass/fail checks on both sides
+    Mutation("headline-dense-strict", "threshold sides", REPORT,
+             "ch >= dense_goal", "ch > dense_goal", (THRESH,)),
+    Mutation("headline-sparse-no-abs", "threshold sides", REPORT,
+             "abs(ch) <= sparse_tol", "ch <= sparse_tol", (THRESH,)),
+    Mutation("headline-factor-needs-3x", "threshold sides", REPORT,
+             "m >= 2}", "m > 2}", (THRESH,)),
+    Mutation("demo-verdict-any-pass", "threshold sides", "src/fibattn/study/demo.py",
+             "if all(c.passed for c in checks)", "if any(c.passed for c in checks)", (THRESH,)),
+    Mutation("retrofit-gap-strict", "threshold sides", RETRO,
+             "gap <= GAP_GOAL_PCT", "gap < GAP_GOAL_PCT", (THRESH,)),
+    Mutation("retrofit-dense-strict", "threshold sides", RETRO,
+             "rise >= DENSE_GOAL_PCT", "rise > DENSE_GOAL_PCT", (THRESH,)),
+    Mutation("retrofit-share-strict", "threshold sides", RETRO,
+             "x.share <= GOAL_SHARE + 1e-9", "x.share < GOAL_SHARE", (THRESH,)),
+    # ---------------------------------------------------------------- 7. defaults for keys foreign files omit
+    Mutation("llama-rope-theta-default", "foreign defaults", INIT_SOURCE,
+             'get("rope_theta", NUMBER, 1e4)', 'get("rope_theta", NUMBER, 5e5)', (LLAMA, "-k", "default")),
+    Mutation("llama-rms-eps-default", "foreign defaults", INIT_SOURCE,
+             'get("rms_norm_eps", NUMBER, 1e-6)', 'get("rms_norm_eps", NUMBER, 1e-5)', (LLAMA, "-k", "default")),
+    Mutation("llama-tied-default", "foreign defaults", INIT_SOURCE,
+             'get("tie_word_embeddings", bool, False)', 'get("tie_word_embeddings", bool, True)',
+             (LLAMA, "-k", "default")),
+    Mutation("llama-kv-heads-default", "foreign defaults", INIT_SOURCE,
+             'get("num_key_value_heads", int, heads, null_ok=True) or heads',
+             'get("num_key_value_heads", int, 1, null_ok=True) or 1', (LLAMA, "-k", "default")),
 ]
 
 
@@ -145,19 +252,40 @@ def _copy_tree(dest: Path) -> None:
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 
 
-def apply(m: Mutation, tree: Path) -> str | None:
-    """Mutate ``tree`` in place; the reason it could not be done, or None."""
+def stale_reason(m: Mutation, tree: Path = ROOT) -> str | None:
+    """Why ``m`` no longer applies to ``tree`` (its file or a test file moved, its text changed), or None."""
     path = tree / m.file
-    text = path.read_text()
-    n = text.count(m.old)
+    if not path.is_file():
+        return f"stale: {m.file} does not exist"
+    try:
+        n = path.read_text().count(m.old)
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"stale: {m.file} cannot be read ({exc})"
     if n != 1:
         return f"stale: the original text occurs {n} times in {m.file}"
-    path.write_text(text.replace(m.old, m.new))
+    if m.old == m.new:
+        return "stale: the replacement equals the original"
+    for arg in m.tests:
+        if arg.startswith("tests/") and not (tree / arg.split("::")[0]).is_file():
+            return f"stale: test path {arg} does not exist"
+    return None
+
+
+def apply(m: Mutation, tree: Path) -> str | None:
+    """Mutate ``tree`` in place; the reason it could not be done, or None."""
+    why = stale_reason(m, tree)
+    if why:
+        return why
+    path = tree / m.file
+    path.write_text(path.read_text().replace(m.old, m.new))
     return None
 
 
 def check(m: Mutation, cache: Path, keep: bool) -> tuple[str, float, str]:
     """``(verdict, seconds, detail)`` with verdict caught | SURVIVED | stale."""
+    why = stale_reason(m)
+    if why:
+        return "stale", 0.0, why
     tree = Path(tempfile.mkdtemp(prefix=f"fibattn-mut-{m.name}-"))
     try:
         _copy_tree(tree)

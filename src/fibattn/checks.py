@@ -6,8 +6,17 @@ import math
 import numbers
 
 
-class ConfigError(ValueError):
+class UsageError(ValueError):
+    """Bad input, or a request this machine cannot serve: the CLI prints the message as one line, exit 2.
+    Every fibattn error about the user's input derives from it (a ValueError, as before)."""
+
+
+class ConfigError(UsageError):
     """A bad config value or argument; the message names the field and what is allowed."""
+
+
+class BackendUnavailable(UsageError, RuntimeError):
+    """A chosen attention backend cannot run here (a RuntimeError too, as API callers caught before)."""
 
 
 def check_int(name: str, value, minimum: int) -> int:
@@ -49,3 +58,19 @@ def parse_int_list(text, name: str, minimum: int = 1, error=ValueError) -> list[
     if not values or any(v < minimum for v in values):
         raise error(msg)
     return values
+
+
+def did_you_mean(key, allowed) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``allowed`` to a misspelt ``key``, or ``""``."""
+    import difflib
+    close = difflib.get_close_matches(str(key), sorted(map(str, allowed)), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_keys(what: str, given, allowed) -> None:
+    """Refuse a key of an option bag (``what``: the bag as the user names it) that is not in ``allowed``:
+    a misspelt option silently left at its default gives a different result."""
+    for key in given:
+        if key not in allowed:
+            raise ConfigError(f"{what}: unknown key {key!r} (allowed: {', '.join(sorted(allowed))})"
+                              f"{did_you_mean(key, allowed)}")

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import ConfigError
+from .checks import ConfigError, did_you_mean
 
 # Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
@@ -153,7 +153,7 @@ def _build(cls, data: dict, where: str):
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]} "
-                          f"(allowed: {', '.join(sorted(known))})")
+                          f"(allowed: {', '.join(sorted(known))}){did_you_mean(unknown[0], known)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -257,7 +257,8 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                     raise ConfigError(f"{where} is a value, not a section: set it whole, e.g. "
                                       f"{SOURCES_EXAMPLE if where == 'data.sources' else where + '=...'}")
                 hint = f"; your own text: {SOURCES_EXAMPLE}" if where.startswith("data") else ""
-                raise ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(sorted(names))}){hint}")
+                raise ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(sorted(names))})"
+                                  f"{did_you_mean(part, names)}{hint}")
             if i == len(parts) - 1:
                 current = getattr(target, part)
                 if dataclasses.is_dataclass(current):

@@ -58,10 +58,11 @@ def _int_at_least(obj, section: str, name: str, minimum: int, maximum: int | Non
     _need(ok, f"{section}.{name} must be an integer {allowed}, got {show_value(v)}")
 
 
-def _num_in(obj, section: str, name: str, lo: float, hi: float, *, lo_open=False):
+def _num_in(obj, section: str, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False):
     v = getattr(obj, name)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo) and v <= hi
-    rng = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and (v > lo if lo_open else v >= lo)
+          and (v < hi if hi_open else v <= hi))
+    rng = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     _need(ok, f"{section}.{name} must be a number in {rng}, got {show_value(v)}")
 
 
@@ -101,6 +102,24 @@ def check_training_fits(m: ModelConfig, micro_batch: int, bf16: bool, device, *,
                           f"weights, gradients and AdamW state, plus activations of {micro_batch} x {m.seq_len} "
                           f"tokens per micro-batch); {device} has {_gb(mem)}: lower {flags}, model.d_model, "
                           f"model.n_layers or model.vocab_size")
+
+
+def check_sizes_fit(flag: str, values, need, what: str, device="cpu") -> None:
+    """Refuse a size flag whose work certainly exceeds ``device``'s memory: the one check behind every
+    command's size flags. ``need(v)``: a lower bound of the bytes value ``v`` takes (increasing in ``v``);
+    the error names ``flag``, the value, the estimate of ``what`` and the largest value that fits."""
+    mem = devices.device_memory_bytes(device)
+    if mem is None:
+        return
+    for v in sorted(values):
+        if need(v) > mem:
+            lo, hi = 0, v                          # need(lo) fits (or lo = 0), need(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need(mid) <= mem else (lo, mid)
+            fits = f"at most {lo} fits" if lo >= 1 else "no value fits with the other sizes given"
+            raise ConfigError(f"{flag} {v} needs at least {_gb(need(v))} for {what}; {device} has {_gb(mem)} "
+                              f"of memory: {fits}")
 
 
 def check_weights_fit(m: ModelConfig) -> None:
@@ -197,8 +216,8 @@ def validate_train(t: TrainConfig) -> None:
     _num_in(t, s, "lr", 0, 10, lo_open=True)
     _num_in(t, s, "min_lr_ratio", 0, 1)
     _num_in(t, s, "weight_decay", 0, 10)
-    _num_in(t, s, "beta1", 0, 1)
-    _num_in(t, s, "beta2", 0, 1)
+    _num_in(t, s, "beta1", 0, 1, hi_open=True)      # AdamW's moments need beta < 1 (1: never forget, no update)
+    _num_in(t, s, "beta2", 0, 1, hi_open=True)
     _num_in(t, s, "grad_clip", 0, 1e9)
     _choice(t, s, "precision", ("auto", "fp32", "bf16"))
     _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
@@ -217,6 +236,40 @@ def validate_eval(e: EvalConfig) -> None:
     baselines = ("linear", "ntk", "yarn", "window")
     for m in e.dense_modes:
         _need(m in baselines, f"eval.dense_modes items must be {', '.join(baselines)}, got {show_value(m)}")
+
+
+# settings that only some configs read: key -> (the setting that decides, the values with which it is read)
+_CONDITIONAL = {"data.vocab_size": ("data.tokenizer", ("bpe",)), "model.alphas": ("model.schedule", ("custom",)),
+                "model.base_values": ("model.base", ("custom",)), "model.base_k": ("model.base", ("fib",)),
+                "model.learned_init": ("model.schedule", ("learned",)),
+                "model.alpha": ("model.schedule", ("fixed", "learned"))}
+
+
+def given_by_set(items) -> dict:
+    """``--set KEY=VALUE`` items as :func:`check_honoured` takes them."""
+    keys = (str(item).split("=", 1)[0].strip() for item in items or [])
+    return {k: f"--set {k}" for k in keys}
+
+
+def given_by_file(cfg: RunConfig, path) -> dict:
+    """``data.vocab_size`` when a ``--config`` file sets it away from its default, for :func:`check_honoured`.
+    Only that key: a saved config lists every key, and a preset's model settings (``base_k`` under a
+    pow2 base, say) reach a run's config.json without the user having asked for them."""
+    if cfg.data.vocab_size != RunConfig().data.vocab_size:
+        return {"data.vocab_size": f"--config {path}"}
+    return {}
+
+
+def check_honoured(cfg: RunConfig, given: dict) -> None:
+    """Refuse a setting the user gave (``given``: key -> how, e.g. ``--set data.vocab_size``) that ``cfg``
+    does not read: silently ignored, it would train something else than asked."""
+    def value(key):
+        section, name = key.split(".")
+        return getattr(getattr(cfg, section), name)
+    for key, (decider, values) in _CONDITIONAL.items():
+        if key in given and value(decider) not in values:
+            raise ConfigError(f"{given[key]}: {key} has no effect with {decider}={show_value(value(decider))} (it is "
+                              f"read only with {decider}={' or '.join(values)}); drop it, or set {decider}")
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -49,14 +49,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import fibattn
-
-from ..devices import device_memory_bytes
-from ..ops import backend_available, cpu_backend, eager
-from ..ops.columns import ColumnSpec
-from ..schedules import as_base
+from ..ops import backend_available
+from ..validation import check_sizes_fit
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, PATHS, BenchConfig, _inputs, backend_name,
                               make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
+from .host_overhead import HostOverhead, host_overhead
 
 __all__ = ["BenchConfig", "HostOverhead", "Record", "PATHS", "bench_length", "configure_parser", "host_overhead", "run",
            "table"]
@@ -160,89 +157,6 @@ def measure_in_subprocess(cfg: BenchConfig, path: str, T: int, sdpa: str | None 
     if res.returncode != 0:
         raise RuntimeError(f"memory worker for {path} at T={T} failed: {res.stderr.strip()[-500:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-# ----------------------------------------------------------------------------- host overhead
-@dataclass
-class HostOverhead:
-    op: str
-    public_us: float           # the public op, forward+backward through autograd
-    direct_us: float           # its kernel set called directly, no autograd
-    overhead_us: float         # public_us - direct_us
-    autograd_us: float         # the floor: eager.Attention (the kernels in a bare autograd Function) - direct_us
-
-    @property
-    def fibattn_us(self) -> float:
-        """What fibattn adds over the least a differentiable eager op costs (the floor)."""
-        return self.overhead_us - self.autograd_us
-
-    def line(self) -> str:
-        return (f"host overhead per call (cpu, T=16, fwd+bwd, {self.op}): public op {self.public_us:.0f} µs, "
-                f"kernels direct {self.direct_us:.0f} µs, overhead {self.overhead_us:.0f} µs = PyTorch's autograd "
-                f"floor {self.autograd_us:.0f} µs + fibattn {self.fibattn_us:.0f} µs")
-
-
-def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) -> HostOverhead:
-    """What the public op (``integer`` or ``interpolated``) costs per call over its kernels.
-
-    The ``cpu`` backend at B=1, H=2, T=16, Dh=16, one thread: forward+backward through autograd
-    (``torch.autograd.grad``) against ``cpu_backend.plan`` / ``forward`` / ``backward`` called
-    directly, and against the eager path's bare autograd Function (``eager.Attention``: the
-    kernels and a cached column plan, no checks, no backend resolution — PyTorch's floor for any
-    differentiable eager op); fibattn's own cost is what the public op adds over it. Rounds of ``calls`` calls alternate for about ``seconds``; each is
-    its fastest round, since load from other processes only ever adds time.
-    """
-    if op not in ("integer", "interpolated"):
-        raise ValueError(f"op must be 'integer' or 'interpolated', got {op!r}")
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(4))
-    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    scale = 0.25                             # the public ops' default at Dh=16
-    if op == "integer":
-        dists, alpha = [0, 1, 2, 3, 5, 8, 13], None
-        spec = ColumnSpec(tuple(dists))
-
-        def forward():
-            return fibattn.sparse_attention(*leaves, dists, backend="cpu")
-    else:
-        alpha = torch.tensor(1.3, dtype=torch.float64)
-        spec = ColumnSpec(None, 3, tuple(as_base("fib").resolve(16)), None)
-        leaves.append(alpha.clone().requires_grad_())
-
-        def forward():
-            return fibattn.interpolated_sparse_attention(*leaves[:3], alpha=leaves[3], base="fib", window=3,
-                                                         backend="cpu")
-
-    def public():
-        torch.autograd.grad(forward(), leaves, dout)
-
-    def function():
-        out = eager.Attention.apply(*leaves[:3], leaves[3] if len(leaves) > 3 else None, cpu_backend, spec, scale)
-        torch.autograd.grad(out, leaves, dout)
-
-    def direct():
-        plan = cpu_backend.plan(spec, alpha, 16)
-        out, aux = cpu_backend.forward(q, k, v, spec, alpha, scale, plan=plan)
-        cpu_backend.backward(dout, q, k, v, out, aux, spec, alpha, scale, alpha is not None, plan=plan)
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)                 # an OpenMP team's start-up is not what is measured
-    try:
-        steps = (public, function, direct)
-        for fn in steps:
-            fn()                             # warm-up (and the kernels' first load)
-        best = [float("inf")] * len(steps)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for i, fn in enumerate(steps):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
-    finally:
-        torch.set_num_threads(threads)
-    pub, bare, kern = best
-    return HostOverhead(op, pub, kern, pub - kern, bare - kern)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -349,15 +263,17 @@ def _lengths(text: str, flag: str) -> list[int]:
 
 def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> None:
     """Refuse lengths whose inputs, outputs and gradients alone exceed the device's memory (a lower bound)."""
-    mem = device_memory_bytes(device)
     item = _DTYPES[dtype].itemsize
-    for T, copies in [(T, 4) for T in lengths] + [(T, 2) for T in forward]:   # fwd+bwd: x and dx; forward: x
-        need = copies * batch * T * (heads + kv) * head_dim * item
-        if mem is not None and need > mem:
-            flag = "--lengths" if copies == 4 else "--forward-lengths"
-            raise ValueError(f"{flag}: T={T} needs at least {need / 1e9:.3g} GB for q, k, v and the output"
-                             f"{' with their gradients' if copies == 4 else ''} (--batch {batch}, --heads {heads}, "
-                             f"--kv-heads {kv}, --head-dim {head_dim}, {dtype}); {device} has {mem / 1e9:.3g} GB")
+    sizes = f"--batch {batch}, --heads {heads}, --kv-heads {kv}, --head-dim {head_dim}, {dtype}"
+    # each size alone first (the others at 1), so that the flag blamed is the one too large by itself
+    for flag, value in (("--batch", batch), ("--heads", heads), ("--kv-heads", kv), ("--head-dim", head_dim),
+                        ("--lengths", max(lengths, default=1)), ("--forward-lengths", max(forward, default=1))):
+        check_sizes_fit(flag, [value], lambda n: 2 * 2 * n * item, f"q, k, v and the output with every other "
+                        f"size at 1 ({dtype})", device)
+    for flag, values, copies, what in (("--lengths", lengths, 4, "q, k, v and the output with their gradients"),
+                                       ("--forward-lengths", forward, 2, "q, k, v and the output")):
+        check_sizes_fit(flag, values, lambda T, c=copies: c * batch * T * (heads + kv) * head_dim * item,
+                        f"{what} ({sizes})", device)
 
 
 def config_from_args(args) -> BenchConfig:

@@ -44,6 +44,7 @@ from ..generation.decode import DecodeSession
 from ..generation.kvcache import layer_read_plan
 from ..model.lm import FibLM
 from ..presets import get_preset
+from ..validation import check_sizes_fit, estimate_params
 
 VARIANTS = ("dense", "static", "learned")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +148,7 @@ def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, ca
     per_block = steps + 1                            # one untimed token per block
     for name, model in models.items():
         for ctx in contexts:
-            s = DecodeSession(model, 1, ctx + (reps + 1) * len(candidates) * per_block + 2)
+            s = DecodeSession(model, 1, ctx + (reps + 1) * len(candidates) * per_block + 2, size_flag="--contexts")
             s.random_history(ctx, gen)
             sessions[name, ctx] = s
     token = torch.zeros(1, dtype=torch.long)
@@ -320,6 +321,19 @@ def format_table(records: list[dict], rat: dict, candidates: list[int] | None = 
     return "\n".join(lines)
 
 
+def _check_fits(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> None:
+    """Refuse contexts and prefill lengths that cannot fit, before any model is built: weights plus, per token,
+    the dense model's full cache (when dense is measured) or a prefill's hidden states, keys and values."""
+    m = model_config(shape, "dense")
+    item = DTYPES[args.dtype].itemsize
+    weights, kv = estimate_params(m) * item, 2 * m.n_kv_heads * m.head_dim * item
+    if "dense" in variants:
+        check_sizes_fit("--contexts", contexts, lambda c: weights + c * m.n_layers * kv,
+                        f"the {shape} model's weights and dense key/value cache ({args.dtype})", args.device)
+    check_sizes_fit("--prefill", prefill, lambda T: weights + T * (2 * m.d_model * item + kv),
+                    f"the {shape} model's weights and one block's prefill activations ({args.dtype})", args.device)
+
+
 def run(args) -> int:
     contexts = _list(args.contexts, "--contexts")
     prefill = _list(args.prefill, "--prefill")
@@ -336,6 +350,8 @@ def run(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    for shape in shapes:
+        _check_fits(shape, variants, contexts, prefill, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.decode_threads = candidates = thread_candidates(args.decode_threads, args.device)

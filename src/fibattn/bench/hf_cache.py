@@ -17,6 +17,7 @@ import json
 import torch
 
 from ..config import ConfigError
+from ..validation import check_sizes_fit
 
 
 def configure_parser(parser) -> None:
@@ -80,6 +81,10 @@ def run(args) -> int:
         raise ConfigError(f"--reach-len must be an integer >= 1, got {args.reach_len}")
     if not contexts or contexts[0] <= args.new:
         raise ConfigError(f"--contexts must list integers > --new ({args.new}), got {args.contexts!r}")
+    # per token at least: the prompt id, the full cache's keys and values (2 layers x 2 KV heads x 2 x 16 floats)
+    # and two hidden states of 64 floats
+    check_sizes_fit("--contexts", contexts, lambda n: n * (8 + 512 + 2 * 64 * 4), "the prompt, the full cache and "
+                    "the hidden states of the tiny Llama")
     try:
         import transformers  # noqa: F401
     except ImportError:

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import sys
+import traceback
 
 import torch
 
@@ -54,6 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setting_of(args, exc: OSError) -> str | None:
+    """The flag or argument whose path holds the one an OSError names (longest match), so that a refused
+    write names the setting to change as well as the path; None when the message names one already."""
+    if not isinstance(exc.filename, (str, os.PathLike)) or "(" in str(exc.strerror or ""):
+        return None
+    target, best = os.path.abspath(exc.filename), None
+    candidates = []                                 # (setting, path): flags, positionals, --set KEY=PATH items
+    for name, value in vars(args).items():
+        if name.startswith("_") or name == "command":
+            continue
+        if isinstance(value, str) and value:
+            candidates.append((_POSITIONAL.get(name, "--" + name.replace("_", "-")), value))
+        elif isinstance(value, list):
+            candidates += [tuple(v.split("=", 1)) for v in value if isinstance(v, str) and "=" in v]
+    for setting, value in candidates:
+        root = os.path.abspath(value.strip()) if value.strip() else None
+        inside = root is not None and (target == root or target.startswith(root.rstrip(os.sep) + os.sep))
+        if inside and (best is None or len(root) > len(best[1])):
+            best = (setting.strip(), root)
+    return None if best is None else best[0]
+
+
+_POSITIONAL = {"run": "RUN", "run_dir": "RUN", "out_dir": "OUT", "grid": "NAME"}     # metavars of positionals
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """An allocation the machine refused: Python's, a CUDA device's, or torch's CPU allocator's RuntimeError."""
+    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
@@ -63,15 +95,26 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
     try:
         return int(args._module.run(args) or 0)
-    except ValueError as exc:              # ConfigError, PathError, CheckpointError, ShardError, ...: bad input
+    except ValueError as exc:              # UsageError (ConfigError, BackendUnavailable, ...): bad input
         print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:                # stdout closed early (``fibattn config | head``): not an error
         sys.stdout = open(os.devnull, "w")
         return 0
     except OSError as exc:                 # the file system refused: one line naming the path, never a traceback
-        print(f"fibattn {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
+        print(f"fibattn {args.command}: error: {os_error_line(exc, _setting_of(args, exc))}", file=sys.stderr)
         return 1 if exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) else 2
     except KeyboardInterrupt:
         print("fibattn: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:               # not bad input: a bug; keep the traceback and say so where it arose
+        if _out_of_memory(exc):            # past the size checks' lower bounds: a resource, not a bug
+            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+            print(f"fibattn {args.command}: error: out of memory ({why}); lower the sizes asked for",
+                  file=sys.stderr)
+            return 1
+        traceback.print_exc()
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        print(f"fibattn {args.command}: internal error (a bug in fibattn, not your input; please report it): "
+              f"{type(exc).__name__} at {where.filename}:{where.lineno}", file=sys.stderr)
+        return 1

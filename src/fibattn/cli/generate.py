@@ -40,7 +40,7 @@ def configure_parser(parser) -> None:
 
 
 def _check_flags(args) -> None:
-    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    check_int("--max-new-tokens", args.max_new_tokens, 1)    # 0 would print the prompt back as a "generation"
     check_int("--top-k", args.top_k, 0)
     if args.seed is not None:
         check_int("--seed", args.seed, 0)

@@ -24,6 +24,7 @@ from ..data.pipeline import prepare, verify_prepared
 from ..data.sources import files_sources
 from ..files import check_creatable
 from ..presets import PRESETS, get_preset
+from ..validation import check_honoured, given_by_set
 
 
 def configure_parser(p) -> None:
@@ -95,6 +96,8 @@ def run(args) -> int:
     if args.vocab_size is not None:
         cfg.data.vocab_size = args.vocab_size
     apply_overrides(cfg, args.overrides)
+    flags = {"data.vocab_size": "--vocab-size"} if args.vocab_size is not None else {}
+    check_honoured(cfg, {**given_by_set(args.overrides), **flags})
     if args.out is not None:
         cfg.data.out_dir = args.out
     elif cfg.data.out_dir == preset_out and cfg.data.sources != preset_sources:

@@ -13,7 +13,7 @@ import typing
 from .. import config as C
 from ..config import ConfigError
 from ..presets import PRESETS, get_preset
-from ..validation import validate
+from ..validation import check_honoured, given_by_set, validate
 
 
 def configure_parser(parser) -> None:
@@ -47,6 +47,7 @@ def run(args) -> int:
         raise ConfigError("give either --preset or --config, not both")
     cfg = C.load(args.config) if args.config else get_preset(args.preset or "tiny")
     validate(C.apply_overrides(cfg, args.set))
+    check_honoured(cfg, given_by_set(args.set))
     if args.json:
         print(json.dumps(C.to_dict(cfg), indent=2, sort_keys=True))
         return 0

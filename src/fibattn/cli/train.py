@@ -8,14 +8,17 @@ from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
 from ..data.manifest import data_config
+from ..storage.init_source import naming
 from ..trainer.init_recipe import apply_recipe
+from ..trainer.init_weights import resumed_init
 from ..trainer.trainer import TrainingAborted, train
-from ..validation import validate
+from ..validation import check_honoured, given_by_file, given_by_set, validate
 
 log = logging.getLogger("fibattn")
 
 
-def build_config(args) -> RunConfig:
+def build_config(args, notes: list | None = None) -> RunConfig:
+    """The run's config from the flags; what it says to the user goes to ``notes`` (logged now without)."""
     from ..presets import get_preset
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
@@ -33,21 +36,28 @@ def build_config(args) -> RunConfig:
         cfg.data, manifest = data_config(args.data)
         if "model.vocab_size" not in keys:
             cfg.model.vocab_size = manifest["vocab_size"]
-    if args.init_from:
+    if args.init_from is not None:                   # an empty --init-from is refused, never ignored
         init_architecture(cfg, args.init_from, keys)
     C.apply_overrides(cfg, sets)
-    if args.init_from or "train.init_from" in keys:  # named here: the fine-tuning recipe, where --set left it open
+    # named here: the fine-tuning recipe, where --set left it open
+    if args.init_from is not None or "train.init_from" in keys:
         done = apply_recipe(cfg, set(keys))          # (a --config that already names a source is taken as it is)
         if done:
-            log.info("fibattn: fine-tuning from %s: %s (docs/retrofit.md; --set overrides)", cfg.train.init_from,
-                     ", ".join(done))
+            note = (f"fibattn: fine-tuning from {cfg.train.init_from}: {', '.join(done)} (docs/retrofit.md; --set "
+                    f"overrides)")
+            if notes is None:
+                log.info(note)
+            else:
+                notes.append(note)
     if isinstance(cfg.data.out_dir, str) and cfg.data.out_dir.strip():
         cfg.data.out_dir = str(Path(cfg.data.out_dir).expanduser().absolute())   # eval works from any directory
     if args.out:
         cfg.train.out_dir = args.out
         if "name" not in keys:
             cfg.name = Path(args.out).resolve().name       # a run is named after its folder
-    return validate(cfg)
+    validate(cfg)
+    check_honoured(cfg, {**(given_by_file(cfg, args.config) if args.config else {}), **given_by_set(sets)})
+    return cfg
 
 
 def init_architecture(cfg: RunConfig, spec: str, keys: list[str]) -> None:
@@ -81,12 +91,20 @@ def configure_parser(parser) -> None:
 def run(args) -> int:
     if args.stop_at is not None:
         check_int("--stop-at", args.stop_at, 1)
-    cfg = build_config(args)
-    try:
-        result = train(cfg, resume=args.resume, stop_at=args.stop_at)
-    except TrainingAborted as exc:
-        print(f"fibattn train: aborted: {exc}", flush=True)
-        return 1
+    if not args.resume.strip():                    # named as the flag here, not as train()'s argument
+        raise ConfigError(f"--resume must be auto, never or a checkpoint folder, got {args.resume!r}")
+    with naming("--init-from" if args.init_from is not None else "train.init_from"):    # errors name the flag
+        notes: list = []
+        cfg = build_config(args, notes)
+        if cfg.train.init_from and args.resume:
+            resumed_init(cfg, args.resume)      # a refused --init-from / --resume pair is the only line printed
+        for note in notes:
+            log.info(note)
+        try:
+            result = train(cfg, resume=args.resume, stop_at=args.stop_at)
+        except TrainingAborted as exc:
+            print(f"fibattn train: aborted: {exc}", flush=True)
+            return 1
     print(f"{result.status}: step {result.step} | {result.tokens} tokens | {result.elapsed_s:.1f}s training | "
           f"checkpoint {result.checkpoint}", flush=True)
     return 0

@@ -11,7 +11,8 @@ every shard. A validation split is what evaluation turns into a number, so
 ``val_tokens(name)`` (``verify=True``, the default) returns it only once its whole file
 hashes to the manifest's sha256 and its token ids lie in the vocabulary; the check is
 cached per file (in memory and in a sidecar in the folder, :mod:`fibattn.data.verified`),
-so repeated evaluations of an unchanged folder hash each split once.
+so repeated evaluations of an unchanged folder hash each split once. Training shards get
+the same check, through the same cache, before ``train_loader`` returns a loader.
 
 Sampling. Training sequence number ``n`` (a global counter, 0, 1, 2, ...) is a pure
 function of ``(seed, n)``: a counter-based hash (splitmix64) of ``n`` picks the source with
@@ -172,8 +173,18 @@ class TokenData:
         rec = [(s["name"], s["weight"], [r["sha256"] for r in s["shards"]]) for s in self.manifest["sources"]]
         return hashlib.sha256(json.dumps(rec).encode()).hexdigest()[:16]
 
+    def verify_train(self) -> None:
+        """Check every training shard as the validation splits are checked (whole-file sha256 against the
+        manifest, ids in the vocabulary, the same cache): a :class:`ShardError` naming the file otherwise."""
+        for src in self.manifest["sources"]:
+            shards = [verified_shard(self.path, rec, self.vocab_size) for rec in src["shards"]]
+            self._train[src["name"]] = _SourceTokens(src["name"], shards)
+
     def train_loader(self, seq_len: int, micro_batch: int, *, seed: int, rank: int = 0,
                      world_size: int = 1) -> "Loader":
+        """Batches of verified training tokens (:meth:`verify_train` runs first; cached, so cheap when
+        nothing changed)."""
+        self.verify_train()
         return Loader(self, seq_len, micro_batch, seed=seed, rank=rank, world_size=world_size)
 
 

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +43,7 @@ import numpy as np
 
 from ..config import ConfigError, DataConfig, SourceConfig
 from ..files import atomic_write_text, check_creatable, naming_os_errors
+from ..locks import FolderLock, check_unlocked, drop_stale
 from ..validation import validate_data
 from .manifest import MANIFEST_FILE, read_manifest
 from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab
@@ -100,9 +102,12 @@ def _differences(old, new, where="data") -> list[str]:
     return [] if old == new else [f"{where}: {old!r} -> {new!r}"]
 
 
-def _expected_identity(cfg: DataConfig) -> dict:
+def _expected_identity(cfg: DataConfig, stamps: list[dict] | None = None) -> dict:
+    """The config and each source's description (its content digest included). ``stamps``: per source,
+    the stamps of earlier hashes (reused for unchanged files, refilled)."""
+    stamps = stamps if stamps is not None else [{} for _ in cfg.sources]
     return {"config": config_record(cfg),
-            "source_info": [describe_source(s, f"data.sources[{i}]") for i, s in enumerate(cfg.sources)]}
+            "source_info": [describe_source(s, f"data.sources[{i}]", stamps[i]) for i, s in enumerate(cfg.sources)]}
 
 
 def _check_replaceable(out: Path) -> None:
@@ -123,15 +128,32 @@ def _check_existing(out: Path, cfg: DataConfig) -> bool:
         return False
     manifest = read_manifest(out)
     old = {"config": manifest.get("config"), "source_info": [s.get("info") for s in manifest.get("sources", [])]}
-    new = _expected_identity(cfg)
+    known = [s.get("stamps") if isinstance(s.get("stamps"), dict) else {} for s in manifest["sources"]]
+    new = _expected_identity(cfg, (known + [{} for _ in cfg.sources])[:len(cfg.sources)])
     diffs = _differences(old["config"], new["config"], "data") + \
-        _differences(old["source_info"], new["source_info"], "sources")
+        [_content_change(d, cfg) for d in _differences(old["source_info"], new["source_info"], "sources")]
+    if cfg.tokenizer not in ("byte", "bpe"):           # a reused tokenizer file: decided by its content too
+        try:
+            now = tokenizer_sha256(Path(cfg.tokenizer).expanduser())
+        except OSError:
+            now = None
+        diffs += _differences((manifest.get("tokenizer") or {}).get("source_sha256"), now,
+                              "data.tokenizer (sha256 of the file)")
     if not diffs:
         return True
     raise ConfigError(f"data.out_dir {str(out)!r} was prepared with a different config "
                       f"({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}); "
                       f"rebuild it (fibattn prepare --force), choose another data.out_dir, or train on it as "
                       f"prepared (fibattn train --data {out})")
+
+
+def _content_change(diff: str, cfg: DataConfig) -> str:
+    """``sources[i].sha256: ...`` said as what the user controls: the source's path whose content changed."""
+    m = re.match(r"sources\[(\d+)\]\.sha256: (.*)", diff)
+    if not m or int(m.group(1)) >= len(cfg.sources):
+        return diff
+    i = int(m.group(1))
+    return f"the content of data.sources[{i}] {cfg.sources[i].path} changed (sha256 {m.group(2)})"
 
 
 def _batches(docs):
@@ -203,6 +225,8 @@ def _make_tokenizer(cfg: DataConfig, folder: Path, progress: Progress) -> dict:
 
 
 def _build(cfg: DataConfig, folder: Path, progress: Progress) -> dict:
+    stamps = [{} for _ in cfg.sources]
+    before = _expected_identity(cfg, stamps)["source_info"]
     made = _make_tokenizer(cfg, folder, progress)
     tok = made["tok"]
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -210,8 +234,13 @@ def _build(cfg: DataConfig, folder: Path, progress: Progress) -> dict:
     for i, src in enumerate(cfg.sources):
         where = f"data.sources[{i}]"
         info = _tokenise_source(src, where, tok, dtype, folder, cfg, progress)
-        sources.append({"name": src.name, "kind": src.kind, "weight": src.weight,
-                        "info": describe_source(src, where), **info})
+        sources.append({"name": src.name, "kind": src.kind, "weight": src.weight, "info": before[i],
+                        "stamps": stamps[i], **info})
+    after = _expected_identity(cfg, stamps)["source_info"]     # unchanged files are not hashed again
+    for i, (a, b) in enumerate(zip(before, after)):
+        if a != b:
+            raise ConfigError(f"data.sources[{i}] ({cfg.sources[i].path}) changed while it was being prepared; "
+                              f"run prepare again once nothing writes to it")
     from .. import __version__
     return {"format_version": FORMAT_VERSION, "fibattn_version": __version__, "config": config_record(cfg),
             "tokenizer": made["record"], "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
@@ -255,16 +284,21 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
         raise ConfigError(f"data.out_dir must name a folder to create or reuse, got {cfg.out_dir!r}")
     out = Path(cfg.out_dir).expanduser()
     _check_out_path(out)
+    check_unlocked(lock_path(out), out, "data.out_dir")     # another prepare of it runs: refuse, write nothing
     clean_leftovers(out)
+    drop_stale(lock_path(out))
     if force:
         _check_replaceable(out)
     elif _check_existing(out, cfg):
         log.info("data: reusing %s (manifest matches the config)", out)
         return out
     made = _make_parents(out.parent)
-    staging = None
+    staging = lock = None
     try:
         with naming_os_errors(out, "data.out_dir"):
+            lock = FolderLock(lock_path(out), out, "data.out_dir", "fibattn prepare").acquire()
+            if not force and _check_existing(out, cfg):     # a prepare that held the lock made it meanwhile
+                return out
             staging = Staging(out)
             manifest = _build(cfg, staging.path, Progress(progress))
             atomic_write_text(staging.path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -273,6 +307,8 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging.path, ignore_errors=True)
+        if lock is not None:
+            lock.release()
         for folder in made:              # parents this call created, innermost first, if still empty
             try:
                 folder.rmdir()
@@ -282,7 +318,14 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
     finally:
         if staging is not None:
             staging.close()
+        if lock is not None:
+            lock.release()
     return out
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of a data folder being prepared: next to it, since the folder itself is replaced."""
+    return out.parent / f".{out.name}.fibattn-lock"
 
 
 def _check_out_path(out: Path) -> None:

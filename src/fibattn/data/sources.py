@@ -16,6 +16,7 @@ stopping after ``src.max_docs`` (0: all). Empty documents (and ``None`` fields) 
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -230,15 +231,43 @@ def iter_documents(src: SourceConfig, where: str = "source") -> Iterator[str]:
     return itertools.islice(docs, src.max_docs) if src.max_docs else iter(docs)
 
 
-def describe_source(src: SourceConfig, where: str = "source") -> dict:
-    """What the manifest records about a source beyond its config."""
+def describe_source(src: SourceConfig, where: str = "source", stamps: dict | None = None) -> dict:
+    """What the manifest records about a source beyond its config; for ``files`` (and ``hf`` read from
+    a local folder) the sha256 of its content (file names and digests), so a file changed in place at
+    the same size is a different source.
+
+    ``stamps``: file name -> stamp of an earlier hash (the manifest's ``stamps``), reused while a
+    file's size, mtime, ctime and inode are unchanged; refilled with the stamps of this call."""
     info = {"name": src.name, "kind": src.kind}
+    root = Path(src.path).expanduser() if src.path else None
     if src.kind == "files":
-        root = Path(src.path).expanduser()
         files = list_files(src, where)
         info["files"] = [p.name if root.is_file() else p.relative_to(root).as_posix() for p in files]
         info["bytes"] = sum(p.stat().st_size for p in files)
+        info["sha256"] = _content_sha256(root, files, where, stamps)
+    elif src.kind == "hf" and root is not None and root.exists():      # a local dataset folder, not a hub id
+        files = [root] if root.is_file() else sorted(
+            p for p in root.rglob("*") if p.is_file() and not any(x.startswith(".") for x in p.relative_to(root).parts))
+        info["sha256"] = _content_sha256(root, files, where, stamps)
     elif src.kind == "bundled":
         from .corpus import ATTRIBUTION, CORPUS_SHA256
         info.update(corpus_sha256=CORPUS_SHA256, attribution=ATTRIBUTION)
     return info
+
+
+def _content_sha256(root: Path, files: list[Path], where: str, stamps: dict | None) -> str:
+    """One digest of ``files`` (their names under ``root`` and sha256s), hashed through the stamp cache."""
+    from .verified import file_digest
+    known, digests = dict(stamps or {}), []
+    if stamps is not None:
+        stamps.clear()
+    for path in files:
+        name = path.name if root.is_file() else path.relative_to(root).as_posix()
+        try:
+            digest, stamp = file_digest(path, known.get(name))
+        except OSError as exc:
+            raise _unreadable(path, f"{where}.path", exc) from None
+        digests.append([name, digest])
+        if stamps is not None and stamp is not None:
+            stamps[name] = stamp
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from ..config import ConfigError
+from ..locks import pid_alive as _pid_alive
+from ..locks import try_flock as _lock
 from .manifest import MANIFEST_FILE
 from .tokenizers import TOKENIZER_FILE
 
@@ -23,30 +25,6 @@ _MARKER_KIND = "fibattn prepare staging folder"
 
 def _staging_prefix(out: Path) -> str:
     return f".{out.name}.partial-"
-
-
-def _lock(fd: int) -> bool | None:
-    """Take an exclusive, non-blocking lock on ``fd``: True when taken, False when another
-    process holds it, None where this platform has no ``flock`` (liveness then uses the pid)."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True
 
 
 class Staging:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..files import atomic_write_text
+from ..files import atomic_write_text, sha256_file
 from .shards import ShardError, open_shard
 
 log = logging.getLogger("fibattn")
@@ -56,6 +56,31 @@ def _stamp(st: os.stat_result, rec: dict, vocab_size: int) -> list:
 
 def _racy(st: os.stat_result, started_ns: int) -> bool:
     return max(st.st_mtime_ns, st.st_ctime_ns) > started_ns - int(RACY_SECONDS * 1e9)
+
+
+_digests: dict[str, list] = {}       # absolute path -> [size, mtime_ns, ctime_ns, inode, sha256] of a source file
+
+
+def file_digest(path, known: list | None = None) -> tuple[str, list | None]:
+    """``(sha256, stamp)`` of any file (a source ``prepare`` reads), hashed unless its stamp (size,
+    mtime, ctime, inode) equals the one of ``known`` or of this process's last hash of it; the stamp
+    is None when it cannot be trusted for the next time (timestamps too recent)."""
+    path = Path(path)
+    key = str(path.absolute())
+    st = path.stat()
+    now = [int(st.st_size), int(st.st_mtime_ns), int(st.st_ctime_ns), int(st.st_ino)]
+    for cached in (_digests.get(key), known):
+        if isinstance(cached, list) and len(cached) == 5 and cached[:4] == now and isinstance(cached[4], str):
+            return cached[4], cached
+    started = time.time_ns()
+    digest = sha256_file(path)
+    after = path.stat()
+    if [int(after.st_size), int(after.st_mtime_ns), int(after.st_ctime_ns), int(after.st_ino)] != now:
+        raise ValueError(f"{path} changed while it was being read; run again once nothing writes to it")
+    if _racy(after, started):
+        return digest, None
+    _digests[key] = [*now, digest]
+    return digest, _digests[key]
 
 
 def _read_sidecar(folder: Path) -> dict:

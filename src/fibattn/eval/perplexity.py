@@ -52,6 +52,9 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import check_int
+from ..config import ModelConfig
+from ..ops.backends import check_model_runs
+from ..validation import check_sizes_fit
 from .modes import (REACH_MODES, SCALING_KINDS, WINDOW_MODE, banded_attention, check_factor, dense_window_mode,
                     mode_name, reach_mode, resolve_mode, rope_scaling_mode)
 
@@ -336,6 +339,13 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
     if scaling and train_len is None:
         raise ValueError(f"mode {scaling!r} needs a model with cfg.seq_len (the training length)")
     device = _model_device(model)
+    if isinstance(cfg, ModelConfig):
+        check_model_runs(cfg, device, grad=False)         # a backend that cannot run, before any scoring
+    if hasattr(cfg, "vocab_size") and hasattr(cfg, "d_model"):
+        # per scored position at least its float32 logits and a few hidden states; batches are capped by the budget
+        per_token = 4 * (cfg.vocab_size + 4 * cfg.d_model)
+        check_sizes_fit("lengths (--lengths)", lengths, lambda n: max(1, min(batch_size, tokens // n)) * n * per_token,
+                        f"a batch of up to {batch_size} windows (--batch-size) with their logits", device)
     report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach,
                                   "mode": mode_name(kind, reach, rope_factor), "eval_mode": kind,
                                   "rope_scaling": scaling, "rope_factor": rope_factor,

@@ -29,7 +29,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import logging
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -37,31 +36,17 @@ from typing import Iterator, Sequence
 import torch
 
 from ..checks import check_int
+from ..config import ModelConfig
+from .sampling import Sampling, sample
 from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
 from ..ops import interpolated_sparse_attention, sparse_attention
+from ..ops.backends import check_model_runs
+from ..validation import check_sizes_fit
 
 log = logging.getLogger("fibattn")
 
 
 # ----------------------------------------------------------------------------- arguments
-@dataclass(frozen=True)
-class Sampling:
-    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        check_int("top_k", self.top_k, 0)
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
-
-
 @dataclass
 class GenerationStep:
     """One decode step. ``tokens`` ``(B,)`` int64 on CPU, -1 for rows that had already
@@ -127,11 +112,20 @@ def _qkv_at(attn, h: torch.Tensor, groups):
     return out
 
 
+def _check_caches_fit(model, plans, batch: int, context: int, dtype, device, flag: str) -> None:
+    """Refuse a context whose full caches (grown on demand) will not fit, before the first token."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    row = [batch * b.attn.n_kv_heads * 2 * b.attn.head_dim * itemsize for b in model.blocks]
+    rings = sum(r * min(p.span, context) for r, p in zip(row, plans) if p is not None)
+    full = sum(r for r, p in zip(row, plans) if p is None)
+    check_sizes_fit(flag, [context], lambda c: rings + full * c, "the key/value caches", device)
+
+
 class DecodeSession:
     """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
 
     def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None,
-                 rope_scaling=None):
+                 rope_scaling=None, size_flag: str = "context (longest prompt + --max-new-tokens)"):
         for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
                 raise ValueError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
@@ -146,9 +140,12 @@ class DecodeSession:
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
         self.layers: list[LayerState] = []
-        for block in model.blocks:
+        if isinstance(getattr(model, "cfg", None), ModelConfig):    # a backend that cannot run: before the prompt
+            check_model_runs(model.cfg, self.device, grad=False)
+        plans = [layer_read_plan(block.attn, context, dense_window) for block in model.blocks]
+        _check_caches_fit(model, plans, batch, context, self.dtype, self.device, size_flag)
+        for block, plan in zip(model.blocks, plans):
             attn = block.attn
-            plan = layer_read_plan(attn, context, dense_window)
             dims = (batch, attn.n_kv_heads, attn.head_dim)
             if plan is None:
                 cache = FullCache(*dims, context, dtype=self.dtype, device=self.device)
@@ -240,27 +237,6 @@ class DecodeSession:
             for block, state in zip(model.blocks, self.layers):
                 x = block(x, attend=lambda attn, h, state=state: attend_step(state, *_qkv_at(attn, h, groups), at))
         return model.logits(model.norm(x))[:, 0].float()
-
-
-# ----------------------------------------------------------------------------- sampling
-def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Next token per row ``(B,)`` int64 from logits ``(B, V)``; one generator per row."""
-    if sampling.temperature == 0:
-        return logits.argmax(-1)
-    x = logits.float() / sampling.temperature
-    if 0 < sampling.top_k < x.shape[-1]:
-        kth = torch.topk(x, sampling.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs, order = torch.sort(torch.softmax(x, dim=-1), dim=-1, descending=True, stable=True)
-    if sampling.top_p < 1:
-        before = torch.cumsum(probs, dim=-1) - probs           # mass of strictly more likely tokens
-        probs = probs.masked_fill(before >= sampling.top_p, 0.0)
-    cdf = torch.cumsum(probs.double(), dim=-1)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    u = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
-    j = torch.searchsorted(cdf, u, right=True)
-    kept = (probs > 0).sum(dim=-1, keepdim=True)                 # the kept tokens come first
-    return order.gather(1, torch.minimum(j, kept - 1)).squeeze(1)
 
 
 # ----------------------------------------------------------------------------- the API

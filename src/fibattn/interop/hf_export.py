@@ -16,11 +16,11 @@ embeddings), so its weights load into ``LlamaForCausalLM`` with three changes:
   refuses the folder rather than load it dense. ``hf_llama.from_pretrained(OUT)`` loads it onto
   fibattn's op. A dense model is a plain Llama folder.
 
-The tokenizer is written as a ``tokenizers`` file ``AutoTokenizer`` reads: the byte tokenizer as a
-byte-level model whose ids are the byte values, a BPE tokenizer as it is. (One difference: the
-literal text ``<|endoftext|>`` is plain text to fibattn's BPE tokenizer and the end-of-document
-token to transformers'.) Learned-alpha models are refused: their attention interpolates between
-distances, which the drop-in does not.
+The tokenizer is written as a ``tokenizers`` file ``AutoTokenizer`` reads that encodes and decodes
+every input as fibattn's does (:func:`hf_tokenizer`): the byte tokenizer as a byte-level model whose
+ids are the byte values, a BPE tokenizer with the settings where transformers' defaults differ (a
+special token's text is plain text, no BOS added, special tokens dropped when decoding). Learned-alpha
+models are refused: their attention interpolates between distances, which the drop-in does not.
 """
 from __future__ import annotations
 
@@ -76,14 +76,34 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
                     tied=m.tie_embeddings)
 
 
-def _byte_tokenizer_fast(transformers):
-    """The fibattn byte tokenizer (id = byte value, eos 255) as a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    table = _bytes_to_unicode()
-    tk = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tk.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=table[255])
+def hf_tokenizer(tokenizer, transformers):
+    """fibattn's ``tokenizer`` as a ``PreTrainedTokenizerFast`` that encodes and decodes every input exactly as
+    fibattn does. Where transformers' defaults differ, the saved files say so:
+
+    - a special token's text inside a document is plain text (``split_special_tokens``), as fibattn encodes it;
+    - no post-processor: fibattn adds no BOS/EOS around a text;
+    - decoding drops special tokens (fibattn's ``decode`` does; transformers keeps them unless
+      ``skip_special_tokens``): the decoder maps each to nothing; no clean-up of spaces.
+
+    The byte tokenizer becomes a byte-level model whose ids are the byte values (eos 255, the byte 0xFF)."""
+    import re
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    if type(tokenizer).__name__ == "ByteTokenizer":
+        table = _bytes_to_unicode()
+        tk = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+        eos, specials = table[255], [table[255]]
+    else:
+        tk = Tokenizer.from_str(tokenizer.backend.to_str())           # a copy: fibattn's own stays as it is
+        eos = tk.id_to_token(tokenizer.eos_id)                         # <|endoftext|>, or a reused tokenizer's own
+        specials = sorted({t.content for t in tk.get_added_tokens_decoder().values() if t.special} | {eos})
+    tk.post_processor = None
+    drop = decoders.Replace(Regex(r"\A(?:" + "|".join(map(re.escape, specials)) + r")\z"), "")
+    tk.decoder = drop if tk.decoder is None else decoders.Sequence([drop, tk.decoder])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, split_special_tokens=True,
+                                                clean_up_tokenization_spaces=False)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -131,12 +151,7 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     if sparse:
         _as_remote_code(out)
     if tokenizer is not None:
-        if type(tokenizer).__name__ == "ByteTokenizer":
-            _byte_tokenizer_fast(transformers).save_pretrained(out)
-        else:
-            eos = tokenizer.backend.id_to_token(tokenizer.eos_id)    # <|endoftext|>, or a reused tokenizer's own
-            fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=eos)
-            fast.save_pretrained(out)
+        hf_tokenizer(tokenizer, transformers).save_pretrained(out)
     c = Checkpoint.open(ckpt)
     (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
                                             files=SPARSE_FILES if sparse else DENSE_FILES))

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_keys
 from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
 
@@ -54,6 +55,8 @@ IMPL_NAME = "fibattn"
 # attribute a cache puts on the key tensor it returns: the absolute position of its first key
 FIRST_KEY_POSITION = "fibattn_first_key_position"
 SCHEDULES = ("fixed", "linear", "coprime", "custom")
+# what apply_fibattn saves in config.fibattn
+SAVED_KEYS = ("window", "alphas", "reach_len", "backend", "schedule", "base")
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,9 @@ def from_pretrained(path, *, model_class=None, **kwargs):
     if not isinstance(getattr(model.config, "fibattn", None), dict):
         raise ValueError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "
                          f"load it with transformers and call apply_fibattn(model, ...)")
+    saved = model.config.fibattn
+    check_keys(f"{path}: config.json 'fibattn'", saved, SAVED_KEYS)       # a misspelt key would change the pattern
+    check_keys(f"{path}: config.json 'fibattn.base'", saved.get("base") or {}, ("kind", "k", "values"))
     for module in attention_modules(model):
         _spec_from_config(module)
     return model

@@ -23,6 +23,9 @@ The scoring lives in :class:`FibScorer`, which does not need lm-eval:
   ``until`` string (cut off), the end-of-document token or ``max_gen_toks`` tokens; greedy
   unless ``do_sample`` with a ``temperature`` > 0.
 
+A ``model_args`` or generation key the adapter does not read is refused naming the closest one
+(:func:`fibattn.checks.check_keys`): a misspelt key left at its default would change the numbers.
+
 Layout: token id lists; model inputs ``(1, T)``; continuation logits ``(n, V)``.
 """
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..checks import parse_int
+from ..checks import check_keys, parse_int
 from ..devices import resolve_device as _resolve
 from ..storage.runs import parse_step
 
@@ -42,6 +45,9 @@ log = logging.getLogger("fibattn")
 
 MODEL_NAME = "fibattn"
 DEFAULT_GEN_TOKS = 256
+# what FibattnLM takes (lm-eval adds batch_size, max_batch_size and device itself) and generate_until honours
+MODEL_ARGS = ("path", "max_length", "step", "device", "batch_size", "max_batch_size")
+GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "seed")
 
 
 @dataclass
@@ -123,6 +129,7 @@ class FibScorer:
     def generate_until(self, context: str, gen_kwargs: dict | None = None) -> str:
         from ..generation.decode import TextStream, generate
         kw = dict(gen_kwargs or {})
+        check_keys("lm-eval generation_kwargs", kw, GEN_KEYS)
         until = kw.pop("until", None) or []
         until = [until] if isinstance(until, str) else list(until)
         max_gen = parse_int("max_gen_toks", kw.pop("max_gen_toks", DEFAULT_GEN_TOKS), 1)
@@ -132,8 +139,6 @@ class FibScorer:
         if not kw.pop("do_sample", False):
             temperature = 0.0
         seed = kw.pop("seed", 1234)
-        if kw:
-            log.info("fibattn lm-eval: ignoring generation options %s", sorted(kw))
         prompt = (self.tokenizer.encode(context) or [self.eos])[-(self.max_length - max_gen):]
         stream, text = TextStream(self.tokenizer), ""
         for step in generate(self.model, prompt, max_new_tokens=max_gen, temperature=temperature,
@@ -184,12 +189,11 @@ def _build_lm_class():
         """lm-eval model ``fibattn``: ``--model_args path=RUN_OR_EXPORT[,max_length=N][,step=N][,device=D]``."""
 
         def __init__(self, path: str | None = None, max_length=None, step="latest", device="cpu",
-                     batch_size=1, max_batch_size=None, **unused):
+                     batch_size=1, max_batch_size=None, **unknown):
             super().__init__()
+            check_keys("lm-eval model_args", unknown, MODEL_ARGS)    # a misspelt key would change the scores
             if not path:
                 raise ValueError("fibattn lm-eval model needs model_args path=RUN_OR_EXPORT")
-            if unused:
-                log.info("fibattn lm-eval: ignoring model args %s", sorted(unused))
             step = parse_step(step or "latest", "model_args step")
             self.scorer = FibScorer.load(path, max_length=max_length, step=step, device=resolve_device(device))
 

@@ -25,17 +25,31 @@ def _rows(inner: str, heads: int, kv_heads: int) -> int | None:
     return heads if inner == "attn.q_proj" else kv_heads if inner == "attn.k_proj" else None
 
 
+def llama_name(name: str) -> str | None:
+    """The Llama name of a FibLM tensor (None for fibattn's own, the learned alphas)."""
+    m = _BLOCK_RE.match(name)
+    if m and m.group(3) in BLOCK:
+        return f"model.layers.{m.group(2)}.{BLOCK[m.group(3)]}.weight"
+    top = TOP.get(name.removesuffix(".weight"))
+    return None if top is None else f"{top}.weight"
+
+
+def llama_shapes(shapes: dict) -> dict[str, tuple]:
+    """FibLM tensor shapes under Llama names (the q/k row order changes, no shape does); ``lm_head`` has the
+    embedding's shape whether tied or not."""
+    out = {llama_name(k): tuple(v) for k, v in shapes.items() if llama_name(k)}
+    out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return out
+
+
 def to_llama(state: dict, *, heads: int, kv_heads: int, head_dim: int, tied: bool) -> dict[str, torch.Tensor]:
     """A FibLM state dict under Llama names (``lm_head`` is the embedding when ``tied``)."""
     out = {}
     for name, t in state.items():
-        m = _BLOCK_RE.match(name)
-        if m and m.group(3) in BLOCK:
-            n = _rows(m.group(3), heads, kv_heads)
-            out[f"model.layers.{m.group(2)}.{BLOCK[m.group(3)]}.weight"] = \
-                t if n is None else interleaved_to_halves(t, n, head_dim)
-        elif name.removesuffix(".weight") in TOP:
-            out[TOP[name.removesuffix(".weight")] + ".weight"] = t
+        m, target = _BLOCK_RE.match(name), llama_name(name)
+        if target is not None:
+            n = _rows(m.group(3), heads, kv_heads) if m else None
+            out[target] = t if n is None else interleaved_to_halves(t, n, head_dim)
     if tied:
         out["lm_head.weight"] = state["embed.weight"]
     return {k: v.detach().clone() for k, v in out.items()}

@@ -17,6 +17,7 @@ import logging
 
 import torch
 
+from ..checks import BackendUnavailable
 from ..config import BACKENDS
 
 log = logging.getLogger("fibattn")
@@ -61,12 +62,29 @@ def resolve_backend(backend: str, device: torch.device, *, interpolated: bool = 
     if backend == "auto":
         return _auto(device)[0]
     if interpolated and backend == "flex":
-        raise ValueError("backend 'flex' supports integer distances only; use 'triton', 'cpu', 'torch' or "
-                         "'reference' for interpolated_sparse_attention")
+        raise BackendUnavailable("backend 'flex' supports integer distances only; use 'triton', 'cpu', 'torch' or "
+                                 "'reference' for interpolated_sparse_attention")
     why = backend_available(backend, device)
     if why is not None:
-        raise RuntimeError(f"backend {backend!r} cannot run on {device}: {why}")
+        raise BackendUnavailable(f"backend {backend!r} cannot run on {device}: {why}")
     return backend
+
+
+FLEX_NO_CPU_BACKWARD = ("backend 'flex' has no backward on CPU in this torch (forward only); use backend 'cpu' or "
+                        "'torch' when gradients are needed")
+
+
+def check_model_runs(m, device, *, grad: bool, field: str = "model.backend") -> None:
+    """Refuse, before any work or output, a ``ModelConfig`` whose backend cannot run it on ``device``
+    (``grad``: it will be trained), naming the setting; the same errors would otherwise come mid-run."""
+    if m.attention != "sparse":
+        return
+    try:
+        resolve_backend(m.backend, device, interpolated=m.schedule == "learned")
+        if grad and m.backend == "flex" and torch.device(device).type == "cpu":
+            raise BackendUnavailable(FLEX_NO_CPU_BACKWARD)
+    except BackendUnavailable as exc:
+        raise BackendUnavailable(f"{field}={m.backend}: {exc}") from None
 
 
 def announce(backend: str, device: torch.device, chosen: str | None = None) -> None:

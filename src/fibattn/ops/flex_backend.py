@@ -13,6 +13,9 @@ import warnings
 
 import torch
 
+from ..checks import BackendUnavailable
+from .backends import FLEX_NO_CPU_BACKWARD
+
 name = "flex"
 _MASK_CACHE = 16
 
@@ -58,8 +61,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dists: l
     T = q.shape[2]
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        raise RuntimeError("backend 'flex' has no backward on CPU in this torch (forward only); "
-                           "use backend 'cpu' or 'torch' when gradients are needed")
+        raise BackendUnavailable(FLEX_NO_CPU_BACKWARD)
     mask = _block_mask(tuple(d for d in dists if d < T), T, str(q.device))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gqa = k.shape[1] != q.shape[1]

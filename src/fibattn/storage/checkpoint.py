@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -30,11 +31,12 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..files import atomic_write_bytes, atomic_write_text, fsync_dir, listed_file_problem, sha256_file
+from ..locks import try_flock
+from .pins import META, pin, unpin
 
 log = logging.getLogger("fibattn")
 
 FORMAT = 1
-META = "meta.json"
 MODEL = "model.safetensors"
 CONFIG = "config.json"
 _NAME = re.compile(r"^step-(\d+)$")
@@ -169,11 +171,26 @@ def prune(root, keep: int, upto: int | None = None) -> list[Path]:
 
     ``upto``: the step just saved; only folders of that step or older are counted and deleted, so
     a checkpoint newer than the one just written is never pruned (and never makes it prune the new one).
+    A checkpoint a reader has pinned (:func:`pin`) is kept; a later prune deletes it once it is free.
     """
     found = [(s, p) for s, p in list_checkpoints(root) if upto is None or s <= upto]
-    gone = [path for _, path in found[:-keep]] if keep > 0 else []
-    for path in gone:
-        shutil.rmtree(path, ignore_errors=True)
+    gone = []
+    for path in [path for _, path in found[:-keep]] if keep > 0 else []:
+        unpin(path)                                 # this process's own earlier read of it is over
+        try:
+            fd = os.open(path / META, os.O_RDONLY)
+        except OSError:
+            fd = None                               # incomplete: no reader can have it pinned
+        try:
+            if fd is not None and try_flock(fd) is False:
+                log.info("fibattn: keeping %s for now: a reader (eval, export, generate, --init-from) has it open",
+                         path)
+                continue
+            shutil.rmtree(path, ignore_errors=True)     # while locked: a reader waiting for it then sees it gone
+            gone.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return gone
 
 
@@ -291,13 +308,19 @@ def verify(path) -> dict:
     return meta
 
 
-def latest_valid(root) -> Path | None:
-    """The newest checkpoint that verifies; bad ones are skipped with a warning naming the file."""
+def latest_valid(root, *, pinned: bool = False) -> Path | None:
+    """The newest checkpoint that verifies; bad ones are skipped with a warning naming the file.
+    ``pinned`` (readers): the one returned is pinned (:func:`pin`) first, and one pruned meanwhile is
+    passed over for the next complete one."""
     for _, path in reversed(list_checkpoints(root)):
+        if pinned and not pin(path) and not path.is_dir():
+            continue                                # pruned meanwhile; an incomplete one is named below
         try:
             verify(path)
             return path
         except CheckpointError as exc:
+            if pinned:
+                unpin(path)
             log.warning("fibattn: skipping checkpoint: %s", exc)
     return None
 

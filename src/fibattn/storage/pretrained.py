@@ -32,7 +32,10 @@ try:
 except ImportError:                       # older safetensors
     from safetensors._safetensors_rust import SafetensorError
 
+from ..checks import check_keys
 from ..files import listed_file_problem
+from .foreign import foreign_hint
+from .shapes import load_checked
 
 FORMAT = 1
 CONFIG = "config.json"
@@ -86,7 +89,8 @@ def read_meta(path) -> dict:
         raise ExportError(f"{folder}: {CONFIG} is corrupted (not valid JSON: {exc})") from None
     if not isinstance(doc, dict) or "fibattn_format" not in doc:
         hint = (" — it is a training run's config: load the run with fibattn.from_pretrained / load_model, or write "
-                f"an export with `fibattn export {folder} OUT`" if isinstance(doc, dict) and "train" in doc else "")
+                f"an export with `fibattn export {folder} OUT`" if isinstance(doc, dict) and "train" in doc
+                else foreign_hint(folder))
         raise ExportError(f"{folder}: {CONFIG} is not a fibattn export config (no fibattn_format key){hint}")
     if doc["fibattn_format"] != FORMAT:
         raise ExportError(f"{folder}: {CONFIG} has fibattn_format {doc['fibattn_format']!r}; this fibattn "
@@ -164,10 +168,8 @@ def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) 
     weights = read_verified(folder, WEIGHTS, meta)
     tokenizer = _tokenizer(folder, meta)
     mcfg = _model_config(meta, folder)
-    allowed = ("reach", "backend", "max_seq_len")
+    check_keys("model_overrides", model_overrides or {}, ("reach", "backend", "max_seq_len"))
     for key, value in (model_overrides or {}).items():
-        if key not in allowed:
-            raise ValueError(f"model_overrides may only set {', '.join(allowed)}, got {key!r}")
         setattr(mcfg, key, value)
     validate_model(mcfg)
     try:
@@ -175,10 +177,7 @@ def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) 
     except SafetensorError as exc:
         raise ExportError(f"{folder}: file {WEIGHTS} is corrupted (not a safetensors file: {exc})") from None
     model = FibLM(mcfg)
-    try:
-        model.load_state_dict(tensors, strict=True)
-    except RuntimeError as exc:
-        raise ExportError(f"{folder}: file {WEIGHTS} does not match the model in {CONFIG}: {exc}") from None
+    load_checked(model, tensors, file=f"{folder}: file {WEIGHTS}", described=f"its {CONFIG}", error=ExportError)
     model.to(torch.device(device)).eval()
     return Pretrained(model, mcfg, tokenizer, meta)
 

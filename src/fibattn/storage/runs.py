@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from . import checkpoint as ck
+from .foreign import foreign_hint
+from .shapes import load_checked
 from .. import config as C
 from ..model.lm import FibLM
 from ..model.rope import SCALING_KINDS
@@ -114,18 +116,21 @@ def parse_step(text, flag: str = "--step"):
 
 
 def find_checkpoint(run_dir, step="latest") -> Path:
-    """The checkpoint folder of ``run_dir`` for ``step`` (``"latest"`` or an int), verified."""
+    """The checkpoint folder of ``run_dir`` for ``step`` (``"latest"`` or an int), verified and pinned
+    (:func:`fibattn.storage.checkpoint.pin`: a run that is training does not prune it while this process reads it)."""
     path = Path(run_dir)
     if (path / ck.META).is_file() or ck._NAME.match(path.name):
         if step != "latest":
             raise ValueError(f"{path} is a checkpoint folder; step must be 'latest' there, got {step!r}")
+        ck.pin(path)              # kept from pruning while read; verify names what is wrong when it is not there
         ck.verify(path)
         return path
     root = ck.ckpt_root(path)
     if not root.is_dir():
-        raise FileNotFoundError(f"{path} is not a run folder (no checkpoints/ inside) nor a checkpoint folder")
+        raise FileNotFoundError(f"{path} is not a run folder (no checkpoints/ inside) nor a checkpoint folder"
+                                f"{foreign_hint(path)}")
     if step == "latest":
-        found = ck.latest_valid(root)
+        found = ck.latest_valid(root, pinned=True)       # pinned: a live run does not prune it while it is read
         if found is None:
             raise ck.CheckpointError(f"no complete, verified checkpoint: {ck.none_verifies(root)}")
         return found
@@ -135,6 +140,7 @@ def find_checkpoint(run_dir, step="latest") -> Path:
     if not target.is_dir():
         have = ", ".join(str(s) for s, _ in ck.list_checkpoints(root)) or "none"
         raise FileNotFoundError(f"no checkpoint step-{step} in {root} (have: {have})")
+    ck.pin(target)
     ck.verify(target)
     return target
 
@@ -173,6 +179,7 @@ def load_run(run_dir, step="latest", *, device="cpu", model_overrides: list[str]
     C.apply_overrides(cfg, list(model_overrides or []))
     validate_model(cfg.model)
     model = FibLM(cfg.model)
-    model.load_state_dict(c.tensors("model"), strict=True)
+    load_checked(model, c.tensors("model"), file=f"checkpoint {path}: file {ck.MODEL}", described=f"its {ck.CONFIG}",
+                 error=ck.CheckpointError)
     model.to(torch.device(device)).eval()
     return model, cfg, _tokenizer(path, cfg)

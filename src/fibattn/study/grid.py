@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import config as C
+from ..checks import check_keys
 from ..config import ConfigError, RunConfig
 from ..presets import PRESETS, get_preset
 from ..trainer.init_recipe import apply_recipe
@@ -235,10 +236,7 @@ def select(runs: list[GridRun], only: str | None) -> list[GridRun]:
 def _entry(item, where: str) -> GridRun:
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
-    allowed = {"name", "preset", "overrides", "seed", "init_from", "init_share"}
-    unknown = sorted(set(item) - allowed)
-    if unknown:
-        raise ValueError(f"{where} has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+    check_keys(where, item, ("name", "preset", "overrides", "seed", "init_from", "init_share"))
     name = item.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise ValueError(f"{where}.name must be 1-100 letters, digits, '_', '-', '.' (not starting with a "

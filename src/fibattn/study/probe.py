@@ -88,8 +88,23 @@ class ProbeConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"probe seed must be an integer >= 0, got {self.seed!r}")
         self.task.validate()
-        self.model_config(self.depths[0], self.starts[0])          # validates the model shape
+        try:                                                     # validates the model shape at every depth
+            self.model_config(max(self.depths), self.starts[0])
+        except ValueError as exc:
+            raise ValueError(f"probe depths (--depths) up to {max(self.depths)}: {exc}") from None
+        self._check_fits()
         return self
+
+    def _check_fits(self) -> None:
+        """Refuse sizes whose training batch certainly exceeds the device: per token at least its id, one
+        ``d_model`` activation per layer and the logits with their gradient (float32)."""
+        from ..validation import check_sizes_fit
+        per_token = 8 + 4 * (self.model.d_model * max(self.depths) + 2 * self.task.vocab_size)
+        shape = f"(d_model {self.model.d_model}, depth {max(self.depths)})"
+        check_sizes_fit("--seq-len", [self.task.seq_len], lambda T: T * per_token, f"one training sample {shape}",
+                        self.device)                      # alone first, so a huge batch is blamed on --batch-size
+        check_sizes_fit("--batch-size", [self.batch_size], lambda b: b * self.task.seq_len * per_token,
+                        f"one training batch of --seq-len {self.task.seq_len} {shape}", self.device)
 
     def model_config(self, depth: int, start: str):
         from ..config import ModelConfig

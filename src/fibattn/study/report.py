@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import published as S
+from ..checks import ConfigError
 from .pages import Heading, Image, Table, Text, fmt_pct, fmt_ppl, pct_change  # noqa: F401
 from ..storage.results import eval_ppls
 from ..storage.runs import EVAL_JSON, read_eval_doc
@@ -358,13 +359,18 @@ def build_report(grid, root, out=None, *, datasets: list[str] | None = None, plo
     from .pages import to_html, to_markdown
     root = Path(root)
     out = Path(out) if out is not None else root / grid.report_dir
-    out.mkdir(parents=True, exist_ok=True)
     results = collect(grid, root)
+    if not any(r.ppl for r in results):        # an empty report would read as a finished study
+        names = grid.names()
+        raise ConfigError(f"--root {root} holds no evaluated run of grid {grid.name} (runs "
+                          f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): nothing to report; "
+                          f"run `fibattn grid {grid.name} --root {root}` first")
     found = datasets_of(results)
     if datasets:
         bad = [d for d in datasets if d not in found]
         if bad:
             raise ValueError(f"--datasets: no results for {bad[0]!r} (evaluated: {', '.join(found) or 'none'})")
+    out.mkdir(parents=True, exist_ok=True)                 # only once the request is known to make sense
     ds = list(datasets or found)
     images = report_plots.draw_all(primary([r for r in results if r.ppl]), ds, out) if plot else []
     images += _retrofit_image(results, ds, out) if plot else []

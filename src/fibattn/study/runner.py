@@ -28,6 +28,9 @@ from typing import Callable
 
 from .. import config as C
 from ..config import ConfigError, RunConfig
+from ..data.pipeline import normalise
+from ..devices import resolve_device
+from ..ops.backends import check_model_runs
 from .grid import Grid, GridRun
 from ..storage.results import evaluated_lengths, resolve_db_path, run_status
 from ..trainer.logs import fmt_duration
@@ -232,6 +235,14 @@ def run_grid(grid: Grid, root, *, devices: list[str] | None = None, out: Callabl
     rows = states(grid, root)           # checks every run's settings before anything runs
     summary = GridSummary(done=[s.run.name for s in rows if s.status == "done"])
     todo = [(i + 1, s) for i, s in enumerate(rows) if s.status != "done"]
+    sources = set()
+    for _, s in todo:                   # and that each model's backend and data sources work where it will train
+        gpus = devices and not devices[0].startswith("cpu")           # CPU workers are named cpu0, cpu1, ...
+        device = "cuda" if gpus else resolve_device(s.cfg.train.device, flag="train.device")
+        check_model_runs(s.cfg.model, device, grad=s.status != "evaluate", field=f"run {s.run.name}: model.backend")
+        if s.status != "evaluate" and repr(s.cfg.data.sources) not in sources:
+            sources.add(repr(s.cfg.data.sources))
+            normalise(s.cfg.data)        # one line for a source every run would fail on, before any run starts
     main = is_main_rank()
     say = out if main else (lambda _text: None)
     say(f"[grid {grid.name}] {len(rows)} runs under {root}: {len(summary.done)} done, {len(todo)} to run"

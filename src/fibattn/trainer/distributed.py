@@ -7,6 +7,9 @@ on CPU) and each process uses ``cuda:LOCAL_RANK`` (or the CPU). Without them, or
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -116,3 +119,90 @@ def broadcast_int(info: DistInfo, value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=info.device)
     tdist.broadcast(t, src=0)
     return int(t.item())
+
+
+# ------------------------------------------------------------------------------ agreeing across ranks
+class RankError(ConfigError):
+    """Another rank refused, stopped, or disagrees with this one (one line naming the rank and the cause)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def gather_text(info: DistInfo, text: str) -> list[str]:
+    """Every rank's ``text``, in rank order (byte tensors: no pickling)."""
+    if not info.distributed:
+        return [text]
+    data = torch.tensor(list(text.encode("utf-8")), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=info.device)
+    sizes = [torch.zeros_like(n) for _ in range(info.world_size)]
+    tdist.all_gather(sizes, n)
+    longest = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    buf[:data.numel()] = data
+    buf = buf.to(info.device)
+    parts = [torch.zeros_like(buf) for _ in range(info.world_size)]
+    tdist.all_gather(parts, buf)
+    return [bytes(p[:int(s.item())].cpu().tolist()).decode("utf-8", "replace") for p, s in zip(parts, sizes)]
+
+
+@contextlib.contextmanager
+def together(info: DistInfo, what: str):
+    """Run one setup step on every rank, then agree on its outcome: a rank that raised re-raises its own
+    error; every other rank raises a :class:`RankError` naming that rank and its cause (instead of waiting
+    in a collective for a process that is gone). Nothing extra in one process."""
+    if not info.distributed:
+        yield
+        return
+    error = None
+    try:
+        yield
+    except Exception as exc:          # noqa: BLE001 - passed on to the other ranks, then re-raised here
+        error = exc
+    said = gather_text(info, "" if error is None else _one_line(error))
+    if error is not None:
+        raise error
+    bad = [(r, m) for r, m in enumerate(said) if m]
+    if bad:
+        r, m = bad[0]
+        raise RankError(f"rank {r} of {info.world_size} refused while {what}, so rank {info.rank} stops too: {m}")
+
+
+def _flat(doc, where: str = "") -> dict:
+    if isinstance(doc, dict) and doc:
+        out = {}
+        for k, v in doc.items():
+            out.update(_flat(v, f"{where}.{k}" if where else str(k)))
+        return out
+    return {where: doc}
+
+
+def check_same(info: DistInfo, record: dict, what: str) -> None:
+    """Refuse (on every rank) when the ranks' ``record`` differ, naming the differing keys and values."""
+    if not info.distributed:
+        return
+    mine = json.dumps(record, sort_keys=True, default=str)
+    digest = hashlib.sha256(mine.encode()).hexdigest()
+    if len(set(gather_text(info, digest))) == 1:
+        return
+    docs = [_flat(json.loads(t)) for t in gather_text(info, mine)]
+    keys = sorted({k for d in docs for k in d if any(d.get(k) != docs[0].get(k) for d in docs)})
+    shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {d.get(k)!r}" for r, d in enumerate(docs)) for k in keys[:4])
+    more = f"; ... ({len(keys)} keys in all)" if len(keys) > 4 else ""
+    raise RankError(f"the {info.world_size} processes disagree on the {what} ({shown}{more}); every rank must be "
+                    f"started with the same command, files and settings")
+
+
+def peer_lost(info: DistInfo, exc: BaseException) -> RankError | None:
+    """A :class:`RankError` for a collective that failed because another rank died (None for anything else)."""
+    if not info.distributed or not isinstance(exc, RuntimeError):
+        return None
+    dist_error = getattr(tdist, "DistError", ())
+    text = str(exc)
+    if not (isinstance(exc, dist_error) or any(w in text for w in ("Connection closed", "Connection reset", "gloo",
+                                                                  "NCCL", "Broken pipe", "Socket Timeout"))):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return RankError(f"rank {info.rank} of {info.world_size} stops: another process of this job died or stopped "
+                     f"(its own line, or torchrun's report, names the cause): {first[:200]}")

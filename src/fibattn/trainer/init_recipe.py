@@ -13,6 +13,8 @@ keys each layer reads, and every weight adapts to that.
 """
 from __future__ import annotations
 
+from ..checks import ConfigError
+
 STEPS_FRACTION = 0.1
 WARMUP_FRACTION = 0.1
 RECIPE_KEYS = ("train.steps", "train.lr", "train.warmup_steps")
@@ -26,6 +28,9 @@ def apply_recipe(cfg, given: set | list | tuple) -> list[str]:
         t.steps = max(1, round(STEPS_FRACTION * t.steps))
         done.append(f"train.steps={t.steps}")
     if "train.lr" not in given:
+        if not t.lr * t.min_lr_ratio > 0:           # else a learning rate of 0 blamed on train.lr, never set
+            raise ConfigError(f"--init-from fine-tunes at train.lr * train.min_lr_ratio, which is 0 with "
+                              f"train.min_lr_ratio={t.min_lr_ratio}: set train.lr, or train.min_lr_ratio > 0")
         t.lr = float(f"{t.lr * t.min_lr_ratio:.6g}")          # 3e-4, not 3.0000000000000003e-4
         done.append(f"train.lr={t.lr:g}")
     if "train.warmup_steps" not in given:

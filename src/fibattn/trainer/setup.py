@@ -109,9 +109,25 @@ def accum_steps(cfg: RunConfig, world: int) -> int:
 
 def load_data(cfg: RunConfig, dist: D.DistInfo):
     from ..data import TokenData, ensure_prepared
-    path = ensure_prepared(cfg.data) if dist.is_main else None     # prepared (or reused) once, by rank 0
-    D.barrier(dist)
-    return TokenData(path if path is not None else Path(cfg.data.out_dir).expanduser())
+    data = None
+    with D.together(dist, "preparing the data"):
+        if dist.is_main:                 # prepared (or reused) and verified once, by rank 0
+            data = TokenData(ensure_prepared(cfg.data))
+            data.verify_train()          # the other ranks then find the check cached
+    return data if data is not None else TokenData(Path(cfg.data.out_dir).expanduser())
+
+
+RUN_LOCK = ".fibattn-lock"
+
+
+def run_lock_path(out: Path) -> Path:
+    return Path(out) / RUN_LOCK
+
+
+def lock_run(out: Path):
+    """The run folder's writer lock (one ``train`` per ``--out``), held until training returns."""
+    from ..locks import FolderLock
+    return FolderLock(run_lock_path(out), out, "train.out_dir", "fibattn train").acquire()
 
 
 def tokenizer_file(data) -> Path | None:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from ..storage import checkpoint as ck
+from ..storage.shapes import check_shapes, load_checked
 from ..config import RunConfig, to_dict, with_defaults
 from ..files import atomic_write_text
-from .distributed import DistInfo, barrier, broadcast_int
+from .distributed import DistInfo, broadcast_int, together
 
 log = logging.getLogger("fibattn")
 
@@ -47,31 +48,32 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trainer: dict, cfg: RunConfig,
          dist: DistInfo, keep: int, tokenizer_file: Path | None = None) -> Path:
     root = ck.ckpt_root(out_dir)
-    if dist.is_main:
-        ck.begin(root, step)
-    barrier(dist)
     tmp = root / f"step-{step}.tmp"
-    try:
-        ck.write_state(tmp, f"rng-rank{dist.rank}", rng_state(dist.device))
-        ck.write_state(tmp, f"loader-rank{dist.rank}", loader.state_dict())
+    with together(dist, f"starting checkpoint {tmp}"):       # a rank that fails: every rank says which, and why
         if dist.is_main:
-            ck.write_tensors(tmp, "model", model.state_dict())
-            ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
-            ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
-            atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-            if tokenizer_file is not None:
-                shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-    except OSError as exc:                   # disk full, permissions: one line naming the folder and the setting
-        shutil.rmtree(tmp, ignore_errors=True)
-        newest = ck.latest_valid(root)
-        raise OSError(exc.errno, f"cannot write checkpoint {tmp} (train.out_dir): {exc.strerror or exc}; newest "
-                                 f"complete checkpoint: {newest or 'none'} (continue with --resume auto)") from None
-    barrier(dist)
+            ck.begin(root, step)
+    with together(dist, f"writing checkpoint {tmp}"):
+        try:
+            ck.write_state(tmp, f"rng-rank{dist.rank}", rng_state(dist.device))
+            ck.write_state(tmp, f"loader-rank{dist.rank}", loader.state_dict())
+            if dist.is_main:
+                ck.write_tensors(tmp, "model", model.state_dict())
+                ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
+                ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
+                atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+                if tokenizer_file is not None:
+                    shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        except OSError as exc:               # disk full, permissions: one line naming the folder and the setting
+            shutil.rmtree(tmp, ignore_errors=True)
+            newest = ck.latest_valid(root)
+            raise OSError(exc.errno, f"cannot write checkpoint {tmp} (train.out_dir): {exc.strerror or exc}; "
+                                     f"newest complete checkpoint: {newest or 'none'} (continue with --resume "
+                                     f"auto)") from None
     final = ck.step_dir(root, step)
-    if dist.is_main:
-        final = ck.finish(root, step)
-        ck.prune(root, keep, upto=step)
-    barrier(dist)
+    with together(dist, f"finishing checkpoint {final}"):
+        if dist.is_main:
+            final = ck.finish(root, step)
+            ck.prune(root, keep, upto=step)
     return final
 
 
@@ -90,30 +92,39 @@ def find_resume(out_dir, resume: str, dist: DistInfo) -> Path | None:
     root = ck.ckpt_root(out_dir)
     if resume not in ("auto", "never"):
         path = Path(resume)
-        if dist.is_main:
-            meta = ck.verify(path)
-            check_no_newer(root, path, int(meta["step"]))
-            ck.clean_tmp(root)
-        barrier(dist)
+        ck.pin(path)                 # another live run's checkpoint is not pruned while it is read
+        with together(dist, "checking --resume"):
+            if dist.is_main:
+                meta = ck.verify(path)
+                check_no_newer(root, path, int(meta["step"]))
+                ck.clean_tmp(root)
         return path
     step = -1
-    if dist.is_main:
-        existing = ck.list_checkpoints(root)
-        if resume == "never" and existing:
-            raise ck.CheckpointError(
-                f"{root} already holds checkpoints (newest step-{existing[-1][0]}); pass --resume auto to "
-                f"continue that run, or choose a fresh train.out_dir / --out")
-        if resume == "auto":
-            ck.clean_tmp(root)                   # half-written step-N.tmp folders of an interrupted save
-            existing = ck.list_checkpoints(root)
-            found = ck.latest_valid(root)
-            if found is None and existing:
-                raise ck.CheckpointError(
-                    f"{ck.none_verifies(root)}; "
-                    f"starting over would abandon them: repair or move them away, or train into a new --out")
-            step = -1 if found is None else ck.Checkpoint.open(found).step
+    with together(dist, "choosing the checkpoint to resume from"):
+        if dist.is_main:
+            step = _auto_step(root, resume)
     step = broadcast_int(dist, step)
     return None if step < 0 else ck.step_dir(root, step)
+
+
+def _auto_step(root: Path, resume: str) -> int:
+    """Rank 0's choice for ``auto`` / ``never``: the step to resume from, or -1 for a fresh start."""
+    step = -1
+    existing = ck.list_checkpoints(root)
+    if resume == "never" and existing:
+        raise ck.CheckpointError(
+            f"{root} already holds checkpoints (newest step-{existing[-1][0]}); pass --resume auto to "
+            f"continue that run, or choose a fresh train.out_dir / --out")
+    if resume == "auto":
+        ck.clean_tmp(root)                   # half-written step-N.tmp folders of an interrupted save
+        existing = ck.list_checkpoints(root)
+        found = ck.latest_valid(root)
+        if found is None and existing:
+            raise ck.CheckpointError(
+                f"{ck.none_verifies(root)}; "
+                f"starting over would abandon them: repair or move them away, or train into a new --out")
+        step = -1 if found is None else ck.Checkpoint.open(found).step
+    return step
 
 
 def check_no_newer(root: Path, path: Path, step: int) -> None:
@@ -180,6 +191,16 @@ def check_compatible(saved: dict, cfg: RunConfig, path: Path) -> list[str]:
     return changed
 
 
+def check_moments(optimizer, names: list[str], where: str) -> None:
+    """Every loaded optimizer moment has its parameter's shape: torch does not check (AdamW would broadcast a
+    wrong one silently)."""
+    params = [q for group in optimizer.param_groups for q in group["params"]]
+    for name, param in zip(names, params):
+        moments = {k: v for k, v in optimizer.state.get(param, {}).items() if torch.is_tensor(v) and v.dim()}
+        check_shapes(moments, dict.fromkeys(moments, tuple(param.shape)), described=f"parameter {name}",
+                     where=f"{where}: optimizer state of {name}", error=ck.CheckpointError)
+
+
 def restore(path: Path, *, model, optimizer, names: list[str], loader, dist: DistInfo) -> dict:
     """Load every part of a verified checkpoint; returns the trainer state dict."""
     c = ck.Checkpoint.open(path)
@@ -197,11 +218,13 @@ def restore(path: Path, *, model, optimizer, names: list[str], loader, dist: Dis
         log.warning("fibattn: checkpoint %s was written by %d processes, resuming with %d: the data position "
                     "carries over, bit-exact continuation does not", path, trainer["world_size"], dist.world_size)
     mine = dist.rank if same else 0
-    model.load_state_dict(c.tensors("model"), strict=True)
+    load_checked(model, c.tensors("model"), file=f"checkpoint {path}: file {ck.MODEL}", described="the run's config",
+                 error=ck.CheckpointError)
     opt = c.state("optimizer")
     if opt["param_names"] != names:
         raise ck.CheckpointError(f"checkpoint {path}: optimizer parameters do not match the model's")
     optimizer.load_state_dict(opt["state"])
+    check_moments(optimizer, names, f"checkpoint {path}")
     loader.load_state_dict(c.state(f"loader-rank{mine}"))
     set_rng_state(c.state(f"rng-rank{mine}"), dist.device)
     return trainer

@@ -35,16 +35,19 @@ import torch
 from .. import config as C
 from ..config import ConfigError, RunConfig
 from ..files import check_creatable
+from ..locks import check_unlocked
 from ..validation import validate
 from ..model.lm import FibLM
-from ..storage.init_source import describe, load_into, open_source, plan
+from ..ops.backends import check_model_runs
+from ..storage.init_source import describe, load_into
 from ..storage.results import check_db_path, resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
+from .init_weights import open_init
 from .logs import MetricSinks, ProgressBar, progress_line
 from .optim import build_optimizer, lr_at, param_names, set_lr
-from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, load_data, prepare_out_dir, seed_all,
-                    set_threads, tokenizer_file, warn_disk_space)
+from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, load_data, lock_run, prepare_out_dir,
+                    run_lock_path, seed_all, set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -72,19 +75,25 @@ class Trainer:
         self.cfg, self.dist, self.loss_hook, self.init = cfg, dist, loss_hook, init
         t = cfg.train
         self.out = Path(t.out_dir)
+        check_model_runs(cfg.model, dist.device, grad=True)
         self.accum = accum_steps(cfg, dist.world_size)
         check_fits(cfg, dist.device)
-        if dist.is_main:                             # outputs are created in run(), once every input is checked
-            check_creatable(self.out, "train.out_dir")
-            if not S.ck.list_checkpoints(S.ck.ckpt_root(self.out)):
-                check_not_foreign(self.out)     # a fresh run must not overwrite a user's file
-            db_path = resolve_db_path(self.out, t.results_db)
-            db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
-            if db is not None:
-                db.close()
+        self.lock = None                             # the run folder's writer lock, taken in run()
+        with D.together(dist, "checking train.out_dir"):
+            if dist.is_main:                         # outputs are created in run(), once every input is checked
+                check_creatable(self.out, "train.out_dir")
+                check_unlocked(run_lock_path(self.out), self.out, "train.out_dir")     # another train writes it
+                if not S.ck.list_checkpoints(S.ck.ckpt_root(self.out)):
+                    check_not_foreign(self.out)     # a fresh run must not overwrite a user's file
+                db_path = resolve_db_path(self.out, t.results_db)
+                db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
+                if db is not None:
+                    db.close()
         set_threads(t, dist)
         seed_all(t.seed)
         self.data = data if data is not None else load_data(cfg, dist)
+        if hasattr(self.data, "data_id"):
+            D.check_same(dist, {"data_id": self.data.data_id()}, "training data (its manifest's shard digests)")
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
                               f"vocabulary ({self.data.vocab_size}); set model.vocab_size >= {self.data.vocab_size}")
@@ -92,8 +101,9 @@ class Trainer:
         self.names = param_names(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, t)
-        self.loader = self.data.train_loader(cfg.model.seq_len, t.micro_batch, seed=t.seed,
-                                             rank=dist.rank, world_size=dist.world_size)
+        with D.together(dist, "verifying the training shards"):
+            self.loader = self.data.train_loader(cfg.model.seq_len, t.micro_batch, seed=t.seed,
+                                                 rank=dist.rank, world_size=dist.world_size)
         self.autocast = autocast_for(t.precision, dist.device)
         self.step, self.tokens, self.skipped, self.bad, self.elapsed = 0, 0, 0, 0, 0.0
         self.stop_requested = False          # set by SIGTERM on this process
@@ -208,18 +218,23 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self, resume: str, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
+        with D.together(dist, "locking train.out_dir"):
+            if dist.is_main and self.out.is_dir():  # before resume() tidies its checkpoints folder
+                self.lock = lock_run(self.out)
         self.resume(resume)
         if self.init is not None and self.resumed_from is None:     # a fresh start from trained weights
             parts = load_into(self.model, self.init)
             if dist.is_main:
                 log.info("fibattn: %s", describe(self.init, parts))
         self.init = None                                            # free the source's tensors
-        if dist.is_main:            # the results DB was checked in __init__, before the data was prepared
-            warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
-            from .logs import metrics_to_keep
-            metrics_to_keep(self.out / "metrics.jsonl", self.step)        # a damaged log fails before anything runs
-            prepare_out_dir(self.out)
-        D.barrier(dist)
+        with D.together(dist, "preparing train.out_dir"):
+            if dist.is_main:        # the results DB was checked in __init__, before the data was prepared
+                warn_disk_space(self.out, self.model.num_params(False), t.keep_ckpts)
+                from .logs import metrics_to_keep
+                metrics_to_keep(self.out / "metrics.jsonl", self.step)    # a damaged log fails before anything runs
+                prepare_out_dir(self.out)
+                if self.lock is None:           # a new folder: locked once it exists, before anything is written
+                    self.lock = lock_run(self.out)
         self.wrap()
         sinks = None
         if dist.is_main:
@@ -327,28 +342,6 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------ API / CLI
-def open_init(cfg: RunConfig, resume: str = "never"):
-    """``train.init_from``'s weights, checked against the model ``cfg`` describes (shapes on the meta
-    device, nothing allocated); records their provenance in ``train.init_source``. None without a
-    source, and when the run will resume (the source is not needed then, and may be gone)."""
-    if not cfg.train.init_from:
-        cfg.train.init_source = {}
-        return None
-    out = Path(cfg.train.out_dir)
-    if str(resume) not in ("auto", "never") or (str(resume) == "auto" and S.ck.list_checkpoints(S.ck.ckpt_root(out))):
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            saved = C.load(out / "config.json").train
-            if saved.init_from == cfg.train.init_from:
-                cfg.train.init_source = saved.init_source
-        return None
-    source = open_source(cfg.train.init_from)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in FibLM(cfg.model).state_dict().items()}
-    plan(source, shapes)
-    cfg.train.init_source = source.record()
-    return source
-
-
 def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, data=None,
           loss_hook: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> TrainResult:
     """Train ``cfg`` (a copy is validated and used); returns a :class:`TrainResult`.
@@ -374,13 +367,25 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
     trainer = None
     old = None
     try:
+        D.check_same(dist, {**C.to_dict(cfg), "--resume": str(resume), "--stop-at": stop_at},
+                     "resolved config")                            # before anything is written
         trainer = Trainer(cfg, dist, data, loss_hook, init)
         if threading.current_thread() is threading.main_thread():
             def on_term(signum, frame):
                 trainer.stop_requested = True
             old = signal.signal(signal.SIGTERM, on_term)
-        return trainer.run(str(resume), stop_at)
+        result = trainer.run(str(resume), stop_at)
+        D.barrier(dist)      # the ranks tear down together: gloo's destructors wait on a peer that already left
+        return result
+    except RuntimeError as exc:
+        lost = D.peer_lost(dist, exc)       # a gloo/nccl error because a peer died: one line, not its traceback
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+        if trainer is not None and trainer.lock is not None:
+            trainer.lock.release()
+        trainer = None       # the model and its DDP reducer go before the process group they use
         D.shutdown(dist)

@@ -15,6 +15,8 @@ Needs only torch and transformers: the pattern is a boolean mask over dense scor
 fast; O(Tq * Tk)). With fibattn installed, an unpadded forward without a cache runs on its
 O(T * |D|) op instead.
 """
+import difflib
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaForCausalLM
@@ -27,6 +29,7 @@ except ImportError:  # not installed: the masked path below is the whole model
     sparse_attention = None
 
 IMPL = "fibattn_llama"
+SETTINGS = ("alphas", "backend", "base", "reach_len", "schedule", "window")   # what hf_llama.apply_fibattn saves
 
 
 def base_values(base: dict, cap: int) -> list:
@@ -97,6 +100,11 @@ class FibattnLlamaForCausalLM(LlamaForCausalLM):
         if not isinstance(getattr(config, "fibattn", None), dict):
             raise ValueError("FibattnLlamaForCausalLM: config.fibattn (the sparse settings) is missing; "
                              "re-export the model with fibattn export --format hf")
+        unknown = sorted(set(config.fibattn) - set(SETTINGS))    # a misspelt key would change the pattern silently
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], SETTINGS, n=1)
+            raise ValueError(f"config.fibattn: unknown key {unknown[0]!r} (allowed: {', '.join(SETTINGS)})"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
         if len(config.fibattn["alphas"]) != config.num_hidden_layers:
             raise ValueError(f"config.fibattn alphas must hold one value per layer ({config.num_hidden_layers}), "
                              f"got {len(config.fibattn['alphas'])}")

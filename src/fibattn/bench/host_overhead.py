@@ -1,0 +1,96 @@
+"""What the public ops cost per call on the host, over their kernels and over PyTorch's autograd floor
+(issue 22: the eager path); ``fibattn bench attention`` prints it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import fibattn
+
+from ..ops import cpu_backend, eager
+from ..ops.columns import ColumnSpec
+from ..schedules import as_base
+
+
+@dataclass
+class HostOverhead:
+    op: str
+    public_us: float           # the public op, forward+backward through autograd
+    direct_us: float           # its kernel set called directly, no autograd
+    overhead_us: float         # public_us - direct_us
+    autograd_us: float         # the floor: eager.Attention (the kernels in a bare autograd Function) - direct_us
+
+    @property
+    def fibattn_us(self) -> float:
+        """What fibattn adds over the least a differentiable eager op costs (the floor)."""
+        return self.overhead_us - self.autograd_us
+
+    def line(self) -> str:
+        return (f"host overhead per call (cpu, T=16, fwd+bwd, {self.op}): public op {self.public_us:.0f} µs, "
+                f"kernels direct {self.direct_us:.0f} µs, overhead {self.overhead_us:.0f} µs = PyTorch's autograd "
+                f"floor {self.autograd_us:.0f} µs + fibattn {self.fibattn_us:.0f} µs")
+
+
+def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) -> HostOverhead:
+    """What the public op (``integer`` or ``interpolated``) costs per call over its kernels.
+
+    The ``cpu`` backend at B=1, H=2, T=16, Dh=16, one thread: forward+backward through autograd
+    (``torch.autograd.grad``) against ``cpu_backend.plan`` / ``forward`` / ``backward`` called
+    directly, and against the eager path's bare autograd Function (``eager.Attention``: the
+    kernels and a cached column plan, no checks, no backend resolution — PyTorch's floor for any
+    differentiable eager op); fibattn's own cost is what the public op adds over it. Rounds of ``calls`` calls alternate for about ``seconds``; each is
+    its fastest round, since load from other processes only ever adds time.
+    """
+    if op not in ("integer", "interpolated"):
+        raise ValueError(f"op must be 'integer' or 'interpolated', got {op!r}")
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scale = 0.25                             # the public ops' default at Dh=16
+    if op == "integer":
+        dists, alpha = [0, 1, 2, 3, 5, 8, 13], None
+        spec = ColumnSpec(tuple(dists))
+
+        def forward():
+            return fibattn.sparse_attention(*leaves, dists, backend="cpu")
+    else:
+        alpha = torch.tensor(1.3, dtype=torch.float64)
+        spec = ColumnSpec(None, 3, tuple(as_base("fib").resolve(16)), None)
+        leaves.append(alpha.clone().requires_grad_())
+
+        def forward():
+            return fibattn.interpolated_sparse_attention(*leaves[:3], alpha=leaves[3], base="fib", window=3,
+                                                         backend="cpu")
+
+    def public():
+        torch.autograd.grad(forward(), leaves, dout)
+
+    def function():
+        out = eager.Attention.apply(*leaves[:3], leaves[3] if len(leaves) > 3 else None, cpu_backend, spec, scale)
+        torch.autograd.grad(out, leaves, dout)
+
+    def direct():
+        plan = cpu_backend.plan(spec, alpha, 16)
+        out, aux = cpu_backend.forward(q, k, v, spec, alpha, scale, plan=plan)
+        cpu_backend.backward(dout, q, k, v, out, aux, spec, alpha, scale, alpha is not None, plan=plan)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                 # an OpenMP team's start-up is not what is measured
+    try:
+        steps = (public, function, direct)
+        for fn in steps:
+            fn()                             # warm-up (and the kernels' first load)
+        best = [float("inf")] * len(steps)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for i, fn in enumerate(steps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    pub, bare, kern = best
+    return HostOverhead(op, pub, kern, pub - kern, bare - kern)

@@ -1,0 +1,54 @@
+"""tools/mutations.py stays runnable: every entry still applies, and a stale one is reported, not crashed on."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("fibattn_mutations_tool", ROOT / "tools" / "mutations.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # dataclasses look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+M = _tool()
+
+
+@pytest.mark.parametrize("m", M.MUTATIONS, ids=lambda m: m.name)
+def test_every_mutation_still_applies(m):
+    # a moved file or an edited line would otherwise turn the mutation into a silent no-op
+    assert (ROOT / m.file).is_file(), m.file
+    assert (ROOT / m.file).read_text().count(m.old) == 1, f"{m.name}: original text not exactly once in {m.file}"
+    assert m.old != m.new
+    for arg in m.tests:
+        if arg.startswith("tests/"):
+            assert (ROOT / arg.split("::")[0]).is_file(), arg
+    assert M.stale_reason(m) is None
+
+
+def test_names_are_unique():
+    names = [m.name for m in M.MUTATIONS]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("fake, why", [
+    (dict(file="src/fibattn/no_such_module.py", old="x", new="y"), "does not exist"),
+    (dict(file="src/fibattn/schedules.py", old="text that is nowhere in the file", new="y"), "occurs 0 times"),
+    (dict(file="src/fibattn/schedules.py", old="import", new="y"), "occurs"),
+    (dict(file="src/fibattn/schedules.py", old="        if window < d <= cap:\n", new="z",
+          tests=("tests/test_no_such_file.py",)), "test path"),
+])
+def test_stale_entry_is_reported_by_name_and_fails_the_run(monkeypatch, capsys, fake, why):
+    m = M.Mutation(**{"name": "fake-entry", "kind": "test", "tests": ("tests/test_schedules.py",), **fake})
+    monkeypatch.setattr(M, "MUTATIONS", [m])
+    assert M.main(["--only", "fake-entry"]) == 1          # no pytest run: stale is decided before copying
+    out = capsys.readouterr().out
+    assert "stale" in out and "fake-entry" in out and why in out
+    assert "caught 0/1" in out and "not caught: fake-entry" in out
