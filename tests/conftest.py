@@ -14,6 +14,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def one_thread():
+    """One thread: tiny workloads run fastest (and steadiest on a shared CPU), and the cpu
+    kernels' dalpha reduction is bit-deterministic."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """The bundled corpus prepared once per session with the ``tiny`` preset's data settings

@@ -13,19 +13,11 @@ import torch.nn.functional as F
 from fibattn.bench import attention as ba
 from fibattn.bench import attention_paths as bp
 from fibattn.bench import generate as bg
+from fibattn.bench import memory as bm
 from fibattn.bench import train as bt
 from fibattn.checks import parse_int_list
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny workloads run fastest (and steadiest on a shared CPU) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------- bench train
@@ -34,7 +26,7 @@ def _fake_train(monkeypatch, durations: dict):
     by its variant's duration; returns the call log."""
     log, now = [], [0.0]
 
-    def make_step(model_cfg, batch, device, compiled=False):
+    def make_step(model_cfg, batch, device, compiled=False, documents=0):
         name = model_cfg.attention + ("_compiled" if compiled else "")
 
         def step():
@@ -88,7 +80,7 @@ def test_bench_train_median_resists_one_slow_step(monkeypatch):
     """One step stalled by another process moves the spread, not the median."""
     now, calls = [0.0], {"dense": 0, "sparse": 0}
 
-    def make_step(model_cfg, batch, device, compiled=False):
+    def make_step(model_cfg, batch, device, compiled=False, documents=0):
         name = model_cfg.attention
 
         def step():
@@ -135,6 +127,75 @@ def test_bench_train_smoke(one_thread):
     assert r["sparse_tok_s_min"] <= r["sparse_tok_s"] <= r["sparse_tok_s_max"]
     with pytest.raises(ConfigError, match="--lengths"):
         parse_int_list("1024,x", "--lengths", minimum=2, error=ConfigError)
+
+
+def test_bench_train_with_documents_masks_every_step(one_thread, monkeypatch):
+    """``--documents N``: each model's forward gets N equal packed documents per row."""
+    from fibattn.model.lm import FibLM
+    seen, real = [], FibLM.forward
+
+    def spy(self, idx, targets=None, **kw):
+        seen.append(kw.get("document_ids"))
+        return real(self, idx, targets, **kw)
+    monkeypatch.setattr(FibLM, "forward", spy)
+    rows = bt.bench([64], steps=5, tokens=128, documents=4)
+    assert rows[0]["ratio"] > 0 and seen and all(ids is not None and ids.shape == (2, 64) for ids in seen)
+    assert all(ids[0].tolist() == [i // 16 for i in range(64)] for ids in seen)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bench_train_checkpointing_interleaves_and_measures_each_mode(monkeypatch, compiled):
+    """``--activation-checkpointing full``: the sparse model with none and full, timed round-robin, then one
+    memory step each; ratios are full / none, goals only at T=16384."""
+    log, now, modes = [], [0.0], {}
+
+    def make_step(model_cfg, batch, device, compiled=False, checkpointing="none", documents=0):
+        name = checkpointing + ("_compiled" if compiled else "")
+        modes[name] = model_cfg.attention
+
+        def step():
+            log.append(name)
+            now[0] += {"none": 1.0, "full": 1.25}[checkpointing]
+        step.state_bytes = lambda: 1 << 20
+        return step, 1
+
+    monkeypatch.setattr(bt, "make_step", make_step)
+    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(bt, "step_peak_bytes", lambda step, dev: (step(), {"none": 5, "full": 1}[log[-1][:4]] << 20)[1])
+    rows = bt.bench_checkpointing([64, 16384], steps=5, tokens=256, compiled=compiled)
+    names = ["none", "full"] + (["none_compiled", "full_compiled"] if compiled else [])
+    assert log == (names + names * 5 + names) * 2             # warm-up, 5 timed rounds, one memory step each
+    assert set(modes.values()) == {"sparse"}
+    r = rows[0]
+    assert r["none_tok_s"] == pytest.approx(256.0) and r["full_tok_s"] == pytest.approx(256 / 1.25)
+    assert r["none_peak_mb"] == pytest.approx(6.0) and r["full_peak_mb"] == pytest.approx(2.0)
+    assert r["memory_ratio"] == pytest.approx(1 / 3) and r["speed_ratio"] == pytest.approx(0.8)
+    assert ("memory_ratio_compiled" in r) == compiled and r["goal"] is None
+    assert rows[1]["goal"] == {"memory": 1 / 3, "speed": 0.7} and rows[1]["batch"] == 1
+    text = bt.format_checkpointing_table(rows, compiled)
+    assert "full / none: peak memory 0.33x (goal <= 0.33x), tok/s 0.80x (goal >= 0.7x)" in text
+    assert "peak MB: the weights, optimizer moments and batch" in text
+
+
+def test_step_peak_bytes_counts_what_a_step_holds_at_once():
+    def step():
+        a = torch.empty(4 << 20, dtype=torch.uint8)
+        b = torch.empty(8 << 20, dtype=torch.uint8)        # 12 MB held here
+        del a, b
+        torch.empty(2 << 20, dtype=torch.uint8)
+    assert bm.step_peak_bytes(step, torch.device("cpu")) == 12 << 20
+    w = torch.zeros(4)
+    assert bm.live_bytes(w, w[:2], torch.zeros(2, dtype=torch.float64)) == 16 + 16     # a view counts once
+
+
+def test_bench_train_checkpointing_smoke(capsys, one_thread):
+    assert cli_main(["bench", "train", "--activation-checkpointing", "full", "--lengths", "64", "--tokens", "256",
+                     "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["activation_checkpointing"] == "full" and "max_memory_allocated" in out["peak_mb"]
+    r = out["rows"][0]
+    assert r["none_tok_s"] > 0 and r["full_tok_s"] > 0
+    assert 0 < r["full_peak_mb"] < r["none_peak_mb"]                # recomputing keeps fewer activations
 
 
 # ----------------------------------------------------------------------------- bench generate
@@ -246,3 +307,13 @@ def test_attention_json_backend_field(capsys, one_thread):
     host = [r for r in lines if r.get("check") == "host_overhead"]       # values: the benchmark's business
     assert [r["op"] for r in host] == ["integer", "interpolated"] and all(r["public_us"] > 0 for r in host)
     assert bp.sdpa_label("flash", "cuda:0") == "sdpa-flash" and bp.sdpa_label("math", "cpu") == "sdpa-cpu-math"
+
+
+def test_attention_documents_time_the_masked_ops_next_to_the_plain_ones(capsys, one_thread):
+    assert cli_main(["bench", "attention", "--lengths", "64", "--repeats", "1", "--no-memory", "--paths",
+                     "integer,interpolated", "--heads", "2", "--head-dim", "16", "--documents", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split()[2] for line in out.splitlines() if line.strip().startswith("64 ")]
+    assert rows == ["integer", "integer-docs", "interpolated", "interpolated-docs"]
+    assert "document masking (4 documents per row), integer fwd+bwd at T=64" in out
+    assert bp.document_ids(bp.BenchConfig(batch=2, documents=3), 7, "cpu").tolist() == [[0, 0, 0, 1, 1, 2, 2]] * 2

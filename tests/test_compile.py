@@ -7,6 +7,7 @@ import fibattn
 from fibattn.config import ModelConfig
 from fibattn.model.lm import FibLM
 from fibattn.ops import backend_available, custom_ops
+from fibattn.ops.documents import offsets_unchecked
 
 HOST = ["torch", "cpu"]
 TRITON_CPU = pytest.param("triton", marks=pytest.mark.skipif(
@@ -23,10 +24,14 @@ def test_opcheck(backend):
     """Schema, fake (meta) implementations with dynamic shapes, and autograd registration."""
     q, k, v = _qkv(T=20 if backend == "triton" else 33)
     a = torch.tensor(1.3, requires_grad=True)
-    res = torch.library.opcheck(custom_ops.sparse_op, (q, k, v, [0, 1, 2, 5, 40], 0.3, backend))
-    assert set(res.values()) == {"SUCCESS"}, res
-    res = torch.library.opcheck(custom_ops.interpolated_op, (q, k, v, a, 3, [1, 2, 3, 5, 8, 13], None, 0.3, backend))
-    assert set(res.values()) == {"SUCCESS"}, res
+    T = q.shape[2]
+    docs = torch.tensor([[0] * 7 + [1] * (T - 7), [0] * 2 + [1] * 12 + [2] * (T - 14)])
+    for off in (None, offsets_unchecked(docs)):          # one document per row, and packed documents
+        res = torch.library.opcheck(custom_ops.sparse_op, (q, k, v, [0, 1, 2, 5, 40], 0.3, backend, off))
+        assert set(res.values()) == {"SUCCESS"}, res
+        res = torch.library.opcheck(custom_ops.interpolated_op,
+                                    (q, k, v, a, 3, [1, 2, 3, 5, 8, 13], None, 0.3, backend, off))
+        assert set(res.values()) == {"SUCCESS"}, res
 
 
 def _tiny(schedule, backend="auto"):

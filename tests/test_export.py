@@ -47,8 +47,8 @@ def run_dir(tmp_path):
 
 def test_roundtrip_bit_exact(tmp_path, run_dir):
     out = export_run(run_dir, tmp_path / "exp")
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors",
-                                                     "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "fibattn_tokenizer.json",
+                                                     "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     model = fibattn.from_pretrained(out)
     ref = reference(run_dir, 5)
     a, b = model.state_dict(), ref.state_dict()
@@ -102,7 +102,7 @@ def test_cli_and_overwrite_rules(tmp_path, run_dir, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]       # no staging left
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("name", ["model.safetensors", "fibattn_tokenizer.json"])
 def test_corrupted_or_missing_file_is_named(tmp_path, run_dir, name):
     out = export_run(run_dir, tmp_path / "exp")
     data = bytearray((out / name).read_bytes())

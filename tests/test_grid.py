@@ -135,6 +135,17 @@ def test_print_commands_slurm(capsys, tmp_path):
     assert lines[-1] == f'python -m fibattn.cli grid paper --root {tmp_path / "p"} --only "$RUN"'
 
 
+def test_print_commands_with_context_parallelism_need_whole_groups(capsys, tmp_path):
+    base = ["grid", "paper", "--root", str(tmp_path / "p"), "--set", "model.seq_len=262144", "--set",
+            "train.context_parallel=8", "--set", "train.micro_batch=1", "--set", "train.batch_tokens=262144",
+            "--print-commands", "slurm"]
+    assert cli_main(base + ["--gpus-per-run", "4"]) == 2
+    assert "--gpus-per-run 4" in capsys.readouterr().err
+    assert cli_main(base + ["--gpus-per-run", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "#SBATCH --gpus=8" in lines and "--nproc_per_node=8" in lines[-1] and "train.context_parallel=8" in lines[-1]
+
+
 # ------------------------------------------------------------------------------ running
 @pytest.fixture(scope="module")
 def smoke_root(tmp_path_factory):
@@ -244,3 +255,19 @@ def test_fine_tunes_wait_for_their_source_and_skip_when_it_failed(tmp_path, monk
     assert "source run bad failed" in summary.failed["tune_bad"] and not (tmp_path / "tune_bad.done").exists()
     # tune_a started only after a had finished
     assert (tmp_path / "a.done").stat().st_mtime_ns <= (tmp_path / "tune_a.done").stat().st_mtime_ns
+
+
+def test_a_document_masked_grid_evaluates_and_reports_under_its_own_mode_names():
+    """``eval.document_masking`` renames every recorded mode (``+docs``): the grid's to-do list and the
+    report look results up under the masked names, never the unmasked ones."""
+    from fibattn.config import RunConfig
+    from fibattn.eval.modes import mode_name
+    cfg = RunConfig()
+    cfg.model.attention = "dense"
+    cfg.eval.dense_modes = ["window", "yarn"]
+    plain = [recorded for _, recorded, _ in R.eval_plan(cfg)]
+    cfg.eval.document_masking = True
+    masked = [recorded for _, recorded, _ in R.eval_plan(cfg)]
+    assert plain == ["study", "dense-window", "study+yarn"]
+    assert masked == ["study+docs", "dense-window+docs", "study+yarn+docs"]
+    assert mode_name("yarn", "train", 2.0, documents=True) == "train+yarn@2+docs"

@@ -136,6 +136,13 @@ def test_bench_cli(capsys):
     assert "--contexts" in capsys.readouterr().err
 
 
+def test_a_reach_len_beyond_the_context_sizes_nothing():
+    """--reach-len allocates nothing itself (FibCache grows with the tokens seen, up to the context): a reach
+    of 10**30 holds what the full cache holds, so its memory is the --contexts check's."""
+    far = bench.measure([48], reach_len=10 ** 30, new=2)[0]
+    assert far["fib_cache_bytes"] == far["full_cache_bytes"] and far["tokens_equal"]
+
+
 def test_chunked_prefill_and_the_marked_keys():
     """A second chunk of several tokens after a prefill attends the kept keys exactly."""
     model = apply_fibattn(llama(layers=2), window=1, base="pow2", schedule="linear", a_min=0.4, a_max=1.0)

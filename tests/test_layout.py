@@ -17,7 +17,7 @@ LAYERS = [  # lowest first
     ("fibattn.ops",),
     ("fibattn.generation",),
     ("fibattn.model", "fibattn.data"),
-    ("fibattn.storage",),
+    ("fibattn.storage", "fibattn.parallel"),
     ("fibattn.trainer",),
     ("fibattn.eval",),
     ("fibattn.interop", "fibattn.study"),

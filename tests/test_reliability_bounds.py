@@ -65,9 +65,13 @@ CASES = [
     _case("train-beta1-one", TRAIN + ["--set", "train.beta1=1"], ["train.beta1", "[0, 1)"]),
     _case("train-beta2-one", TRAIN + ["--set", "train.beta2=1.0"], ["train.beta2", "[0, 1)"]),
     _case("train-beta1-negative", TRAIN + ["--set", "train.beta1=-0.1"], ["train.beta1"]),
+    _case("train-activation-checkpointing", TRAIN + ["--set", "train.activation_checkpointing=some"],
+          ["train.activation_checkpointing", "none, full", "'some'"]),
     # size flags against memory: the flag, the value, what fits
     _case("hf-cache-contexts", ["bench", "hf-cache", "--contexts", "100000000"], ["--contexts 100000000", "at most"],
           SMALL_MEMORY),
+    _case("hf-cache-new", ["bench", "hf-cache", "--new", "100000000", "--contexts", "100000001"],
+          ["--new 100000000", "at most"], SMALL_MEMORY),
     _case("probe-seq-len", ["probe", "--out", "{O}", "--seq-len", "1000000"], ["--seq-len 1000000", "at most"],
           SMALL_MEMORY),
     _case("probe-batch-size", ["probe", "--out", "{O}", "--batch-size", "1000000"],
@@ -85,6 +89,31 @@ CASES = [
           ["--root", "empty-root", "no evaluated run"]),
     _case("generate-zero-tokens", ["generate", "{R}", "--prompt", "hi", "--max-new-tokens", "0"],
           ["--max-new-tokens"]),
+    # held-out round three: flags that would lose their meaning, messages naming the flag the user gave
+    _case("train-stop-at-beyond-steps", TRAIN + ["--stop-at", "5"], ["--stop-at 5", "train.steps (1)"]),
+    _case("train-batch-beyond-the-data", TRAIN + ["--set", "train.batch_tokens=1099511627776"],
+          ["train.batch_tokens (1099511627776)", "training data holds"]),          # was 17e9 micro-batches a step
+    _case("train-out-a-file-names-flag", ["train", "--preset", "tiny", "--out", "{R}/config.json", *MICRO[:-2]],
+          ["--out (train.out_dir)", "config.json"]),
+    _case("train-resume-missing-names-flag", TRAIN + ["--resume", "{W}/none"], ["--resume {W}/none"]),
+    _case("prepare-vocab-size-names-flag", ["prepare", "--tokenizer", "bpe", "--vocab-size", "10", "--out", "{O}"],
+          ["--vocab-size", "10"]),
+    _case("generate-set-names-flag", ["generate", "{R}", "--prompt", "hi", "--set", "model.window=3"],
+          ["generate --set", "model.window"]),
+    _case("generate-set-that-does-not-fit", ["generate", "{R}", "--prompt", "hi", "--set", "model.max_seq_len=2"],
+          ["generate --set", "model.max_seq_len=2"]),
+    _case("probe-starts-names-flag", ["probe", "--out", "{O}", "--starts", "middle"], ["--starts", "middle"]),
+    _case("probe-lr-names-flag", ["probe", "--out", "{O}", "--lr", "0"], ["--lr"]),
+    _case("probe-steps-names-flag", ["probe", "--out", "{O}", "--steps", "0"], ["--steps"]),
+    _case("probe-seq-len-names-flag", ["probe", "--out", "{O}", "--seq-len", "4"], ["--seq-len", "--distances"]),
+    _case("bench-attention-more-documents-than-tokens", ["bench", "attention", "--documents", "100", "--lengths",
+                                                         "64", "--no-memory"], ["--documents 100", "64"]),
+    _case("bench-train-more-documents-than-tokens", ["bench", "train", "--documents", "100", "--lengths", "32"],
+          ["--documents 100", "32"]),
+    _case("bench-cp-forward-only-without-measure", ["bench", "context-parallel", "--forward-only"],
+          ["--forward-only", "--measure"]),
+    _case("bench-cp-measure-ranks-without-measure", ["bench", "context-parallel", "--measure-ranks", "3"],
+          ["--measure-ranks", "--measure"]),
 ]
 
 
@@ -103,17 +132,40 @@ def test_refused_with_one_line_before_writing(env, tiny_data, tmp_path, monkeypa
     assert snapshot(env) == before
 
 
-def test_a_bug_keeps_its_traceback_and_says_it_is_one(monkeypatch, capsys):
+@pytest.mark.parametrize("bug, name", [(lambda: {}["missing"], "KeyError"), (lambda: int("x"), "ValueError"),
+                                       (lambda: max([]), "ValueError")])
+def test_a_bug_keeps_its_traceback_and_says_it_is_one(monkeypatch, capsys, bug, name):
+    """Only fibattn's input errors (UsageError and its kinds) are one-line exit 2: a plain ValueError from a
+    bug inside fibattn is not mistaken for the user's input."""
     from fibattn.cli import show_config
-
-    def broken(args):
-        return {}["missing"]
-    monkeypatch.setattr(show_config, "run", broken)
+    monkeypatch.setattr(show_config, "run", lambda args: bug())
     rc = main(["config"])
     err = capsys.readouterr().err
-    assert rc == 1 and "Traceback" in err and "KeyError" in err
+    assert rc == 1 and "Traceback" in err and name in err
     last = err.strip().splitlines()[-1]
     assert "internal error" in last and "a bug" in last and "test_reliability_bounds.py:" in last
+
+
+def test_fibattn_raises_its_input_errors_as_usage_errors():
+    """The CLI tells input from bugs by type: no fibattn module raises, builds or defaults to a plain ValueError
+    (catching one is fine). The remote-code files run without fibattn and are not scanned."""
+    import ast
+    from pathlib import Path
+
+    import fibattn
+
+    def plain(node) -> bool:
+        return isinstance(node, ast.Name) and node.id == "ValueError"
+    root, found = Path(fibattn.__file__).parent, []
+    for path in sorted(root.rglob("*.py")):
+        if "hf_remote" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and plain(node.func) or isinstance(node, ast.Raise) and plain(node.exc):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+            elif isinstance(node, ast.arguments):
+                found += [f"{path.relative_to(root)}:{d.lineno}" for d in node.defaults + node.kw_defaults if plain(d)]
+    assert found == [], "raise fibattn.checks.UsageError (or a kind of it) for bad input"
 
 
 @pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: "
@@ -186,3 +238,67 @@ def test_bpe_training_on_a_line_without_spaces_is_bounded():
     assert seconds < 30 and grown_mb < 500, (seconds, grown_mb)       # unbounded: minutes and gigabytes
     sample_text = line[:5000]
     assert tok.decode(tok.encode(sample_text)) == sample_text
+
+
+def test_a_long_bpe_document_is_encoded_in_bounded_pieces_with_the_whole_documents_ids(monkeypatch):
+    """Cut only where the ByteLevel pre-tokenizer cuts anyway: the ids equal the unchunked encoding's on
+    hostile text (spaces, line breaks, unicode spaces, contractions, the eos text), every piece within the
+    limit; a pretrained pipeline with a normalizer is never cut."""
+    import random
+
+    import fibattn.data.tokenizers as T
+    tok = T.train_bpe(["hello world the quick brown fox's den " * 50, "ROMEO: <|endoftext|> é\n\nwhat light"], 400)
+    monkeypatch.setattr(T, "MAX_ENCODE_CHARS", 40)
+    real, sizes = tok._tok, []
+
+    class Spy:                       # the backend, recording the pieces it is given
+        def encode_batch_fast(self, texts, **kw):
+            sizes.extend(map(len, texts))
+            return real.encode_batch_fast(texts, **kw)
+        encode_batch = encode_batch_fast
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+    monkeypatch.setattr(tok, "_tok", Spy())
+    rng, cut = random.Random(0), 0
+    alphabet = list("ab cd\n\t  é日😀'.,-0") + ["<|endoftext|>", "\r\n", "\u00a0", "\u2028", "\x1c", "'s", " 's"]
+    for _ in range(1000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 300)))
+        whole = real.encode(text, add_special_tokens=False).ids
+        try:
+            ids = tok.encode_batch([text, "x"])[0].tolist()
+        except T.DocumentTooLong:
+            assert len(text) > 40
+            continue
+        assert ids == whole and tok.encode(text) == whole, text
+        cut += len(text) > 40
+    assert cut > 100 and max(sizes) <= 40
+    monkeypatch.setattr(tok, "_tok", real)
+    assert T._cuts_at_spaces(real)
+    assert not T._cuts_at_spaces(T.require("tokenizers", "test").Tokenizer.from_str(_normalized(real)))
+
+
+def _normalized(tokenizer) -> str:
+    import json
+    doc = json.loads(tokenizer.to_str())
+    doc["normalizer"] = {"type": "NFC"}
+    return json.dumps(doc)
+
+
+def test_prepare_refuses_a_document_it_cannot_encode_in_bounded_memory_naming_the_file(tmp_path, capsys,
+                                                                                       monkeypatch):
+    import fibattn.data.tokenizers as T
+    monkeypatch.setattr(T, "MAX_ENCODE_CHARS", 1000)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the cat sat on the mat\n" * 200)             # long, but cut at its spaces
+    (src / "b.txt").write_text("ab" * 1000)                                    # one line, no whitespace
+    before = snapshot(tmp_path)
+    rc, _, err = run_cli(capsys, ["prepare", "--files", src, "--tokenizer", "bpe", "--vocab-size", "300", "--quiet",
+                                  "--out", tmp_path / "out"])
+    assert_one_line(rc, err, f"{src / 'b.txt'}", "2,000 characters", "MAX_ENCODE_CHARS = 1,000")
+    assert snapshot(tmp_path) == before
+    (src / "b.txt").write_text("ab " * 1000)
+    rc, _, err = run_cli(capsys, ["prepare", "--files", src, "--tokenizer", "bpe", "--vocab-size", "300", "--quiet",
+                                  "--out", tmp_path / "out"])
+    assert rc == 0, err

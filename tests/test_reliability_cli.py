@@ -38,6 +38,10 @@ CASES = [
     ("train-lr-range", _tr(*_set("train.lr=-1")), "train.lr"),
     ("train-steps-zero", _tr(*_set("train.steps=0")), "train.steps"),
     ("train-bool-type", _tr(*_set("train.compile=maybe")), "train.compile"),
+    ("train-context-split", _tr(*_set("train.context_parallel=3")), "train.context_parallel"),
+    ("train-context-zero", _tr(*_set("train.context_parallel=0")), "train.context_parallel"),
+    ("train-context-compile", _tr(*_set("train.context_parallel=2", "train.compile=true")), "train.compile"),
+    ("train-documents-type", _tr(*_set("train.document_masking=maybe")), "train.document_masking"),
     ("train-unknown-field", _tr(*_set("model.bogus=1")), "model.bogus"),
     ("train-unknown-section", _tr(*_set("nosection=1")), "nosection"),
     ("train-section-as-field", _tr(*_set("model=1")), "model"),
@@ -52,6 +56,7 @@ CASES = [
     ("train-custom-alphas", _tr(*_set("model.schedule=custom", "model.alphas=[1.0,1.0]")), "model.alphas"),
     ("train-custom-base", _tr(*_set("model.base=custom", "model.base_values=[0]")), "model.base_values"),
     ("train-batch-multiple", _tr(*_set("train.batch_tokens=100")), "train.batch_tokens"),
+    ("train-warmup-beyond-steps", _tr(*_set("train.warmup_steps=3")), "train.warmup_steps (3)"),
     ("train-eval-lengths", _tr(*_set("eval.lengths=[0]")), "eval.lengths"),
     ("train-vocab-vs-tokenizer", _tr(*_set("model.vocab_size=100")), "model.vocab_size"),
     ("train-source-missing-file", _tr(*_set("data.out_dir={O}-data",
@@ -225,3 +230,53 @@ def test_case_table_covers_every_command():
     used = {argv[0] for _, argv, _ in CASES if argv}
     assert set(COMMANDS) <= used
     assert len(CASES) >= 30
+
+
+def test_notes_logged_before_a_refusal_are_dropped_and_kept_otherwise(monkeypatch):
+    """stderr logging holds its first lines briefly: a refused command prints its one error line alone;
+    otherwise the held notes come out, in order, at the end or once the hold expires."""
+    import io
+    import logging
+    import time
+    from fibattn import cli
+
+    def records(handler, *msgs):
+        for m in msgs:
+            handler.handle(logging.LogRecord("fibattn", logging.INFO, __file__, 1, m, None, None))
+
+    for keep, want in ((False, ""), (True, "a\nb\n")):
+        h = cli._HeldLog()
+        h.setStream(io.StringIO())
+        records(h, "a", "b")
+        assert h.stream.getvalue() == ""
+        h.let_go(keep=keep)
+        records(h, "c")                                  # released: lines pass straight through
+        assert h.stream.getvalue() == want + "c\n"
+    monkeypatch.setattr(cli._HeldLog, "HOLD_S", 0.05)
+    h = cli._HeldLog()
+    h.setStream(io.StringIO())
+    records(h, "late")
+    time.sleep(0.5)
+    assert h.stream.getvalue() == "late\n"
+
+
+def test_a_bad_value_read_from_a_config_file_names_the_file_and_a_model_folder_given_as_data_says_so(
+        tmp_path, capsys, tiny_data):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"model": {"d_model": None}}))
+    typo = tmp_path / "t.json"
+    typo.write_text(json.dumps({"model": {"d_modl": 3}}))
+    for argv, want in ((["config", "--config", str(bad)], f"config file {bad}: model.d_model"),
+                       (["train", "--config", str(bad), "--out", str(tmp_path / "o")], f"config file {bad}: model.d_model"),
+                       (["config", "--config", str(typo)], f"config file {typo}: unknown config key model.d_modl")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and want in err[0], err
+    assert main(["config", "--config", str(bad), "--set", "model.d_model=64"]) == 0     # --set overrides the file
+    capsys.readouterr()
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert main(["train", "--preset", "tiny", "--data", str(run), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "it holds a model" in err[0] and "(from --data)" in err[0], err
+    assert not (tmp_path / "o").exists()

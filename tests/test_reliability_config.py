@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from fibattn import config as C
 from fibattn import devices
@@ -273,6 +274,28 @@ def test_no_verified_checkpoint_says_why(cwd, capsys, tiny_data):
     refused(capsys, ["eval", run, "--lengths", "32", "--db", "off"], "none verifies", "config.json")
 
 
+def test_a_warmup_longer_than_the_run_is_refused_when_given_and_cut_to_the_run_when_a_presets(cwd, capsys, tiny_data):
+    """Given: the user asked for a peak rate the run never reaches -- refused. A preset's or the default's
+    warm-up on a shortened run: cut to train.steps and said, so the last step trains at train.lr."""
+    from fibattn.cli import build_parser
+    from fibattn.cli.train import build_config
+    from fibattn.trainer.optim import lr_at
+    refused(capsys, ["train", *QUICK, "--set", "train.warmup_steps=3", "--set", f"data.out_dir={tiny_data}"],
+            "--set train.warmup_steps", "train.warmup_steps (3)", "train.steps (2)")
+    assert tree(cwd) == []
+    notes: list = []
+    cfg = build_config(build_parser().parse_args(["train", *QUICK, "--set", f"data.out_dir={tiny_data}"]), notes)
+    assert cfg.train.warmup_steps == 2 and lr_at(1, cfg.train) == cfg.train.lr
+    assert any("train.warmup_steps 40 (not set by you)" in n and "all 2 steps" in n for n in notes), notes
+    run = train(micro_config(cwd / "r", tiny_data, steps=1, batch_tokens=64, micro_batch=2, results_db="off",
+                             eval_tokens=64, threads=1))              # the API: TrainConfig's default 300
+    assert json.loads((run.checkpoint / "config.json").read_text())["train"]["warmup_steps"] == 1
+    from fibattn.study.grid import GridRun           # a grid resolves it too (its folders' config.json is compared)
+    assert GridRun("r", "tiny").config(cwd, ["train.steps=2"]).train.warmup_steps == 2
+    with pytest.raises(ConfigError, match=r"--set train.warmup_steps: train.warmup_steps \(5\)"):
+        GridRun("r", "tiny").config(cwd, ["train.steps=2", "train.warmup_steps=5"])
+
+
 @pytest.mark.parametrize("argv,needles", [
     (["bench", "attention", "--lengths", "1000000000"], ["--lengths 1000000000", "GB", "at most"]),
     (["bench", "attention", "--lengths", "64", "--forward-lengths", "100000000000"], ["--forward-lengths", "GB"]),
@@ -327,3 +350,22 @@ def test_every_option_has_help_and_version_prints(capsys):
     assert missing(build_parser(), "fibattn") == []
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("fibattn ")
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda ops: ops.document_ids_from_position_ids(torch.zeros(2, 2, 4, dtype=torch.long)), "position_ids"),
+    (lambda ops: ops.document_ids_from_position_ids(torch.tensor([0.0, 1.0, 0.5])), "position_ids"),
+    (lambda ops: ops.document_ids_from_position_ids("abc"), "position_ids"),
+    (lambda ops: ops.document_ids_from_eos(torch.tensor([1.0, 2.0, 0.0]), 0), "ids"),
+    (lambda ops: ops.document_ids_from_eos(torch.tensor([1, 2, 0]), "eos"), "eos"),
+    (lambda ops: ops.document_ids_from_eos(torch.tensor([1, 2, 0]), 0.5), "eos"),
+], ids=["position-ids-3d", "position-ids-float", "position-ids-text", "eos-float-ids", "eos-text", "eos-float"])
+def test_document_id_conversions_refuse_what_would_give_wrong_ids(call, needle):
+    """Held-out round three: a 3-D or float position_ids gave ids of a wrong shape (or from rounded values) and a
+    text eos an AttributeError; each is a UsageError naming the argument. Lists of ints still work."""
+    from fibattn import ops
+    from fibattn.checks import UsageError
+    with pytest.raises(UsageError, match=needle):
+        call(ops)
+    assert ops.document_ids_from_position_ids([0, 1, 2, 0, 1]).tolist() == [[0, 0, 0, 1, 1]]
+    assert ops.document_ids_from_eos(torch.tensor([[5, 0, 7, 0]]), 0).tolist() == [[0, 0, 1, 1]]

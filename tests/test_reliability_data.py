@@ -470,3 +470,11 @@ def test_source_entries_that_cannot_be_read_are_not_skipped(tmp_path, capsys, ki
         needle = "pipe.txt is not a regular file"
     cli_fails(capsys, ["prepare", "--quiet", *_files_source(src), "--out", tmp_path / "o"], needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_empty_source_names_the_file(tmp_path, capsys):
+    """Held-out round three: the error named data.sources[0] (e) only; the user gave --files e.txt."""
+    (tmp_path / "e.txt").write_text("")
+    cli_fails(capsys, ["prepare", "--quiet", "--files", tmp_path / "e.txt", "--out", tmp_path / "o"],
+              "data.sources[0]", str(tmp_path / "e.txt"), "is empty")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.txt"]

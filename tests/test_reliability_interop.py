@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from fibattn.checks import check_keys
-from fibattn.config import ModelConfig
+from fibattn.config import ModelConfig, to_dict
 from fibattn.data.tokenizers import ByteTokenizer, load_tokenizer, train_bpe
 from fibattn.model.llama_names import to_llama
 from fibattn.model.lm import FibLM
@@ -206,14 +206,18 @@ def _llama_style_tokenizer(path):
     return load_tokenizer(path)
 
 
+def _bpe():
+    return train_bpe(["hello world the quick brown fox " * 50, "ROMEO: <|endoftext|> é ÿ"], 300)
+
+
 @pytest.mark.parametrize("kind", ["byte", "bpe", "pretrained"])
 def test_the_exported_tokenizer_encodes_and_decodes_as_fibattn_does(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
-    from fibattn.interop.hf_export import hf_tokenizer
-    fib = {"byte": ByteTokenizer,
-           "bpe": lambda: train_bpe(["hello world the quick brown fox " * 50, "ROMEO: <|endoftext|> é ÿ"], 300),
-           "pretrained": lambda: _llama_style_tokenizer(tmp_path / "pre.json")}[kind]()
-    hf_tokenizer(fib, transformers).save_pretrained(tmp_path / "hf")
+    from fibattn.data.autotokenizer import hf_tokenizer_files
+    fib = {"byte": ByteTokenizer, "bpe": _bpe, "pretrained": lambda: _llama_style_tokenizer(tmp_path / "pre.json")}[kind]()
+    (tmp_path / "hf").mkdir()
+    for name, data in hf_tokenizer_files(fib).items():      # what both export formats write
+        (tmp_path / "hf" / name).write_bytes(data)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")     # as a user of the export loads it
     assert hf.eos_token_id == fib.eos_id
     for text in HOSTILE:
@@ -227,6 +231,62 @@ def test_the_exported_tokenizer_encodes_and_decodes_as_fibattn_does(tmp_path, ki
         seqs += [[0xC3], [0xED, 0xA0, 0x80], [0xF0, 0x9F], [0x80, 0x41], [0xFF, 0xFE], [0xE2, 0x82, 0x41]]
     for ids in seqs:
         assert hf.decode(ids) == fib.decode(ids), ids
+
+
+def _bpe_run(path):
+    """A run folder (one checkpoint, no training) of a micro model with a BPE tokenizer."""
+    from fibattn.storage import checkpoint as ck
+    cfg = micro_config(path, path / "no-data")
+    cfg.model.vocab_size = 300
+    tmp = ck.begin(ck.ckpt_root(path), 1)
+    ck.write_tensors(tmp, "model", FibLM(cfg.model).state_dict())
+    (tmp / "config.json").write_text(json.dumps(to_dict(cfg)))
+    _bpe().save(tmp / "tokenizer.json")
+    ck.finish(ck.ckpt_root(path), 1)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_both_export_formats_give_autotokenizer_fibattns_tokenizer(env, tmp_path, kind):
+    """Each format's folder, loaded as its user loads it: a literal <|endoftext|> in text stays text and a byte
+    run's default export loads at all; fibattn still loads the run's own tokenizer file."""
+    transformers = pytest.importorskip("transformers")
+    import fibattn
+    from fibattn.interop.hf_export import export_hf
+    from fibattn.storage.export import export_run
+    run = env[0] / "run" if kind == "byte" else _bpe_run(tmp_path / "run")
+    fib = load_tokenizer(next((run / "checkpoints").glob("step-*")) / "tokenizer.json")
+    export_run(run, tmp_path / "fib")
+    export_hf(run, tmp_path / "hf")
+    for out in (tmp_path / "fib", tmp_path / "hf"):
+        hf = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+        for text in ("a<|endoftext|>b", "ÿ\x00 é", "x " * 40):
+            ids = fib.encode(text)
+            assert hf.encode(text) == ids and hf.decode(ids + [fib.eos_id]) == fib.decode(ids), (out, text)
+    assert type(fibattn.from_pretrained(tmp_path / "fib").tokenizer) is type(fib)
+
+
+def test_eval_of_an_export_compares_the_runs_own_tokenizer_with_the_datas(env, tiny_data, tmp_path, capsys):
+    """The export's tokenizer.json is transformers' form; eval --data still checks the run's own file: the
+    byte run's export evaluates on byte data, a BPE run's export is refused on it, and data prepared with
+    `--tokenizer EXPORT` (which reads the run's own file) evaluates."""
+    from fibattn.storage.export import export_run
+    opts = ["--lengths", "32", "--tokens", "64", "--db", "off", "--no-plot"]
+    common = ["--data", tiny_data, *opts]
+    export_run(env[0] / "run", tmp_path / "byte")
+    rc, _, err = run_cli(capsys, ["eval", tmp_path / "byte", "--json", tmp_path / "e.json", *common])
+    assert rc == 0, err
+    export_run(_bpe_run(tmp_path / "run"), tmp_path / "bpe")
+    refused(capsys, ["eval", tmp_path / "bpe", *common], tmp_path, "--data", "does not match the run's",
+            "fibattn_tokenizer.json")
+    (tmp_path / "text.txt").write_text("hello world the quick brown fox\n" * 40)
+    for kind in ("byte", "bpe"):             # data prepared with an export's tokenizer (prepare --tokenizer EXPORT)
+        rc, _, err = run_cli(capsys, ["prepare", "--files", tmp_path / "text.txt", "--tokenizer", tmp_path / kind,
+                                      "--set", "data.val_fraction=0.5", "--out", tmp_path / f"data-{kind}", "--quiet"])
+        assert rc == 0, err
+        rc, _, err = run_cli(capsys, ["eval", tmp_path / kind, *opts, "--data", tmp_path / f"data-{kind}",
+                                      "--json", tmp_path / f"{kind}.json"])
+        assert rc == 0, err
 
 
 # ------------------------------------------------------------------------------ 3. option bags

@@ -43,8 +43,9 @@ def test_export_force_keeps_files_the_user_added(tmp_path, run, capsys):
     assert (out / "eval-mine" / "scores.csv").read_text() == "a,b\n1,2\n"
     meta = verify_export(out)
     assert meta["source"]["step"] == 3
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "eval-mine", "model.safetensors",
-                                                     "notes.txt", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "eval-mine", "fibattn_tokenizer.json",
+                                                     "model.safetensors", "notes.txt", "tokenizer.json",
+                                                     "tokenizer_config.json"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]          # no staging left
 
 

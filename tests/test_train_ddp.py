@@ -75,6 +75,16 @@ def test_two_processes_stop_and_resume(setup, tmp_path):
     check_matches(root, out, single)
 
 
+@pytest.mark.slow
+def test_two_processes_with_activation_checkpointing_match_one_without(setup, tmp_path):
+    """Recomputed blocks under DDP (non-reentrant checkpoint, gradients reduced as usual)."""
+    root, cfg_path, single = setup
+    out = tmp_path / "two"
+    assert "finished: step 4" in torchrun(cfg_path, out, "--set", "train.activation_checkpointing=full")
+    assert json.loads((out / "config.json").read_text())["train"]["activation_checkpointing"] == "full"
+    check_matches(root, out, single)
+
+
 @pytest.mark.parametrize("name", ["tiny", "paper"])
 def test_presets_batch_settings_run_under_two_processes(name, tiny_data, tmp_path):
     """Each preset's batch (global tokens, micro-batch, sequence length) as written, under torchrun with
@@ -99,3 +109,51 @@ def test_presets_batch_settings_run_under_two_processes(name, tiny_data, tmp_pat
     split = (f"batch {t.batch_tokens} tokens = 2 process(es) x {per_rank // micro} micro-batch(es) x {micro} "
              f"sequences x {m.seq_len} tokens")
     assert split in proc.stdout + proc.stderr
+
+
+ENTRY = """import os, signal, sys, time
+from fibattn.cli import main
+argv = sys.argv[1:]
+if os.environ["RANK"] == "1":
+    if os.environ["HOW"] == "dies":             # a rank that dies after starting, before the process group
+        time.sleep(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    argv += ["--set", "train.lr=-1"]              # a rank that refuses its input
+sys.exit(main(argv))
+"""
+
+
+def rank_errors(tmp_path, how, tiny_data):
+    """torchrun with 2 processes, rank 1 refusing or dying before the process group exists: each rank's own
+    stderr (torchrun --redirects), as lines."""
+    (tmp_path / "entry.py").write_text(ENTRY)
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "run"), "--set", f"data.out_dir={tiny_data}",
+            "--set", "model.d_model=32", "--set", "model.n_layers=1", "--set", "model.seq_len=32",
+            "--set", "train.batch_tokens=128", "--set", "train.micro_batch=2", "--set", "train.steps=1",
+            "--set", "train.results_db=off", "--set", "model.backend=torch", "--set", "train.threads=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--redirects", "2",
+           "--log-dir", str(tmp_path / "logs"), str(tmp_path / "entry.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HOW": how})
+    assert proc.returncode != 0
+    return {int(p.parent.name): p.read_text().splitlines() for p in (tmp_path / "logs").rglob("stderr.log")}
+
+
+def one_error(lines):
+    errors = [line for line in lines if "error" in line]
+    assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_rank_that_refuses_before_the_process_group_is_named_by_every_rank(tiny_data, tmp_path):
+    err = rank_errors(tmp_path, "refuses", tiny_data)
+    assert "train.lr" in one_error(err[1])
+    line = one_error(err[0])
+    assert ("rank 1 of 2 refused" in line and "train.lr" in line) or "torchrun stopped it" in line, line
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_before_the_process_group_is_reported_by_the_others(tiny_data, tmp_path):
+    err = rank_errors(tmp_path, "dies", tiny_data)
+    assert "rank 0 of 2 stops: torchrun stopped it because another process" in one_error(err[0])

@@ -1,6 +1,6 @@
 """What an H200 would execute for the ``triton`` backend's kernels, measured offline (issue 22, item 7).
 
-    python tools/gpu_static.py [--json FILE] [--goals]
+    python tools/gpu_static.py [--json FILE] [--goals] [--documents]
 
 No GPU needed: every kernel of ``fibattn.ops.triton_backend.static_kernels`` is compiled for
 sm_90 by Triton's own ptxas at the goal setting (B 4, H 8, Hkv 2, Dh 64, bf16, window 12,
@@ -58,6 +58,10 @@ The static H200 model (:func:`estimate_ms`)
     330 TFLOP/s plus backward ``5 B H T^2 Dh`` at 220 TFLOP/s (Dh 64 on Hopper).
 
 A kernel's ``pass`` (``forward`` / ``backward``) comes with it from ``static_kernels``.
+
+``--documents`` also compiles both ops' kernels with documents (issue 25: ``off``, each
+position's offset in its document) and prints their thread-instructions per (query, head,
+column) next to the plain ones; with ``--goals`` it adds issue 25's bound on the difference.
 """
 from __future__ import annotations
 
@@ -83,7 +87,7 @@ LAUNCH_S = 4e-6
 FA2_FWD_FLOPS, FA2_BWD_FLOPS = 330e12, 220e12
 
 GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.5,
-         "min_speedup": {4096: 3.0, 16384: 20.0, 65536: 80.0}}
+         "min_speedup": {4096: 3.0, 16384: 20.0, 65536: 80.0}, "max_documents_ratio": 1.1}
 
 TENSOR_OPS = {"HMMA", "IMMA", "DMMA", "BMMA", "HGMMA", "IGMMA", "QGMMA", "BGMMA"}
 MIX = ("FFMA", "FMUL", "FADD", "MUFU", "SHFL", "BAR", "LDG", "LDS", "STS", "LDSM", "STG", "LDL/STL", "MMA", "other")
@@ -346,11 +350,11 @@ def goal_rungs(two_tap: bool) -> int:
     return len(attended_distances(g["window"], g["alpha"], f"fib:{g['fib_k']}", t)) - (g["window"] + 1)
 
 
-def analyse_op(two_tap: bool) -> list[KernelStats]:
+def analyse_op(two_tap: bool, docs: bool = False) -> list[KernelStats]:
     from fibattn.ops import triton_backend
     g = GOAL
     kerns = triton_backend.static_kernels(g["heads"] // g["kv_heads"], g["head_dim"], g["window"],
-                                          goal_rungs(two_tap), two_tap, dtype=g["dtype"])
+                                          goal_rungs(two_tap), two_tap, dtype=g["dtype"], docs=docs)
     return [analyse_kernel(k) for k in kerns]
 
 
@@ -413,6 +417,20 @@ def report(integer: list[KernelStats], interp: list[KernelStats]) -> dict:
     return out
 
 
+def documents_ratios(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> list[float]:
+    """Thread-instructions per (query, head, column) with documents over without, per op."""
+    return [per_query_head_column(d) / per_query_head_column(p) for p, d in zip(plain, docs)]
+
+
+def check_documents(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> list[tuple[str, bool, str]]:
+    """Issue 25's goal for ``--documents``: both ops' kernels with documents within the bound."""
+    worst = max(documents_ratios(plain, docs))
+    spilled = [s.name for op in docs for s in op if s.spill_bytes or s.local_memory_instructions]
+    return [(f"documents <= {GOALS['max_documents_ratio']}x plain thread-instructions",
+             worst <= GOALS["max_documents_ratio"], f"{worst:.3f}x (worst op)"),
+            ("no spills with documents", not spilled, ", ".join(spilled) or "none")]
+
+
 def check_goals(integer: list[KernelStats], interp: list[KernelStats]) -> list[tuple[str, bool, str]]:
     """``(goal, passed, detail)`` for each of the issue's goals."""
     res = []
@@ -471,10 +489,22 @@ def print_report(integer: list[KernelStats], interp: list[KernelStats]) -> None:
         print(f"  {T:>6}{a:>12.3f}{b:>11.3f}{f:>10.3f}{f / a:>9.2f}{f / b:>11.2f}")
 
 
+def print_documents(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> None:
+    print("\nwith documents (issue 25), thread-instructions per (query, head, column):")
+    for title, p, d, r in zip(("integer op", "interpolated op"), plain, docs, documents_ratios(plain, docs)):
+        print(f"  {title:<16}{per_query_head_column(p):>8,.0f} plain{per_query_head_column(d):>8,.0f} "
+              f"with documents ({r - 1:+.1%})")
+        for a, b in zip(p, d):
+            print(f"    {b.name:<40}{b.per_query_head_column:>8,.0f} ({a.per_query_head_column:,.0f} plain), "
+                  f"{b.registers} registers, {b.spill_bytes} B stack")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", metavar="FILE", help="write the integer op's numbers (and the interpolated op's) here")
     ap.add_argument("--goals", action="store_true", help="check issue 22's goals; exit 1 naming those that fail")
+    ap.add_argument("--documents", action="store_true",
+                    help="also compile the kernels with documents and compare (with --goals: issue 25's goal too)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         print("gpu_static: unset TRITON_INTERPRET to compile for sm_90", file=sys.stderr)
@@ -482,16 +512,23 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     try:
         integer, interp = analyse_op(False), analyse_op(True)
+        docs = [analyse_op(False, True), analyse_op(True, True)] if args.documents else None
     except LoopMismatch as exc:
         print(f"gpu_static: loop mismatch: {exc}", file=sys.stderr)
         return 2
     print_report(integer, interp)
+    if docs:
+        print_documents([integer, interp], docs)
     if args.json:
+        out = report(integer, interp)
+        if docs:
+            out["documents"] = {"integer": op_summary(docs[0]), "interpolated": op_summary(docs[1]),
+                                "ratios": [round(r, 3) for r in documents_ratios([integer, interp], docs)]}
         with open(args.json, "w") as fh:
-            json.dump(report(integer, interp), fh, indent=1)
+            json.dump(out, fh, indent=1)
     if args.goals:
-        res = check_goals(integer, interp)
-        print("\ngoals (issue 22):")
+        res = check_goals(integer, interp) + (check_documents([integer, interp], docs) if docs else [])
+        print("\ngoals (issue 22" + (", issue 25" if docs else "") + "):")
         for goal, ok, detail in res:
             print(f"  {'PASS' if ok else 'FAIL'}  {goal}: {detail}")
         failed = [goal for goal, ok, _ in res if not ok]

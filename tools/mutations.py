@@ -51,6 +51,7 @@ EDGES = "tests/test_eval_edges.py"
 EQUIV = "tests/test_equivalences.py"
 THRESH = "tests/test_check_thresholds.py"
 LLAMA = "tests/test_llama_independent.py"
+DOCS = "tests/test_documents.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -84,11 +85,11 @@ MUTATIONS = [
     Mutation("c-dot-vector-offset", "kernel offsets", C,
              "            const SFX(vec) xe = VLD(x + e);\n", "            const SFX(vec) xe = VLD(x);\n",
              ("tests/test_ops.py", "-k", "production")),
-    Mutation("c-column-one-row-late", "kernel bounds", C,
-             "while (nv < C && lo[nv] <= i) nv++;\n                        SFX(fwd_row)",
-             "while (nv < C && lo[nv] < i) nv++;\n                        SFX(fwd_row)", ("tests/test_ops.py", "-k", "cpu")),
+    Mutation("c-columns-never-restart", "kernel bounds", C,
+             "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
+             ("tests/test_ops_documents_cpu.py",)),
     Mutation("c-backward-drops-last-row", "kernel bounds", C,
-             "        if (i >= T) break;\n", "        if (i >= T - 1) break;\n", ("tests/test_ops.py", "-k", "cpu")),
+             "        if (i >= end) break;\n", "        if (i >= end - 1) break;\n", ("tests/test_ops.py", "-k", "cpu")),
     Mutation("c-dfrac-sign", "kernel offsets", C,
              "(ws->d2[j + 1] - ws->d2[j])", "(ws->d2[j] - ws->d2[j + 1])",
              ("tests/test_ops.py", "-k", "interpolated and cpu")),
@@ -243,6 +244,24 @@ MUTATIONS = [
     Mutation("llama-kv-heads-default", "foreign defaults", INIT_SOURCE,
              'get("num_key_value_heads", int, heads, null_ok=True) or heads',
              'get("num_key_value_heads", int, 1, null_ok=True) or 1', (LLAMA, "-k", "default")),
+    # ---------------------------------------------------------------- packed documents (method.md §8)
+    Mutation("doc-clamp-one-row-late", "document bounds", OPS + "torch_backend.py",
+             "self.start = torch.arange(T, device=off.device) - off.long()",
+             "self.start = torch.arange(T, device=off.device) - off.long() + (off > 0).long()",
+             (DOCS, "-k", "packed_row and torch")),
+    Mutation("doc-start-shifted", "document bounds", OPS + "documents.py",
+             "    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]\n",
+             "    first[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]\n", (DOCS, "-k", "converters")),
+    Mutation("doc-reference-excludes-start", "document bounds", OPS + "reference.py",
+             "mask = mask & (rel <= off[:, None, :, None])", "mask = mask & (rel < off[:, None, :, None])",
+             (DOCS, "-k", "packed_row and reference")),
+    # ---------------------------------------------------------------- context parallelism (method.md §9)
+    Mutation("halo-interval-short", "halo", "src/fibattn/parallel/halo.py",
+             "min(start, start - d + chunk))", "min(start, start - d + chunk - 1))",
+             ("tests/test_context_parallel.py", "-k", "halo or past")),
+    Mutation("halo-gradients-dropped", "halo", "src/fibattn/parallel/context.py",
+             "            local.index_add_(3, _rows(ivs, shard.start, g.device), got[dst])\n",
+             "            pass\n", ("tests/test_context_parallel.py", "-k", "one_process_loss and 2")),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Argument checks, decided once: each raises a ValueError naming the argument, the value and
+"""Argument checks, decided once: each raises a :class:`UsageError` naming the argument, the value and
 what is allowed."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numbers
 
 class UsageError(ValueError):
     """Bad input, or a request this machine cannot serve: the CLI prints the message as one line, exit 2.
-    Every fibattn error about the user's input derives from it (a ValueError, as before)."""
+    Every fibattn error about the user's input derives from it (a ValueError, as before); fibattn raises no
+    plain ValueError (tests/test_reliability_bounds.py scans for one), so one that reaches the CLI is a bug."""
 
 
 class ConfigError(UsageError):
@@ -22,7 +23,7 @@ class BackendUnavailable(UsageError, RuntimeError):
 def check_int(name: str, value, minimum: int) -> int:
     """An integer (Python or NumPy, never a bool) ``>= minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
@@ -31,9 +32,9 @@ def parse_int(name: str, value, minimum: int) -> int:
     try:
         out = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if out < minimum or isinstance(value, bool) or (isinstance(value, float) and value != out):
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return out
 
 
@@ -42,13 +43,13 @@ def check_positive(name: str, value) -> float:
     try:
         value = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive number, got {value!r}") from None
+        raise UsageError(f"{name} must be a positive number, got {value!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        raise UsageError(f"{name} must be a finite number > 0, got {value}")
     return value
 
 
-def parse_int_list(text, name: str, minimum: int = 1, error=ValueError) -> list[int]:
+def parse_int_list(text, name: str, minimum: int = 1, error=UsageError) -> list[int]:
     """``"1024,2048"`` -> ``[1024, 2048]``; anything else raises ``error`` naming ``name``."""
     msg = f"{name} must be a comma-separated list of integers >= {minimum}, got {text!r}"
     try:

@@ -17,6 +17,8 @@ from .checks import ConfigError, did_you_mean
 
 # Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
+# train.activation_checkpointing: none keeps every block's activations; full recomputes each block in the backward.
+ACTIVATION_CHECKPOINTING = ("none", "full")
 
 
 def show_value(value) -> str:
@@ -99,6 +101,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     precision: str = "auto"        # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
+    activation_checkpointing: str = "none"   # none | full (recompute each block in the backward: less memory)
     seed: int = 42
     device: str = "auto"           # auto | cpu | cuda | cuda:N
     log_every: int = 10
@@ -114,6 +117,8 @@ class TrainConfig:
     results_db: str = ""           # SQLite results DB: "" = <parent of out_dir>/results.sqlite, "off" = none
     init_from: str = ""            # start from trained weights: a run (RUN@STEP), checkpoint, export or Llama folder
     init_source: dict = field(default_factory=dict)   # recorded at the start: path, kind, step, sha256 of init_from
+    document_masking: bool = False   # attend inside each document of a packed row (its <eos> ends it; method.md §8)
+    context_parallel: int = 1      # ranks sharing one sequence, each a contiguous chunk (method.md §9)
 
 
 @dataclass
@@ -126,6 +131,7 @@ class EvalConfig:
     sparse_lengths: list = field(default_factory=list)   # more lengths for sparse models only (dense would not fit)
     dense_modes: list = field(default_factory=list)      # dense baselines of the same trained model (method.md §7):
                                                           # linear | ntk | yarn | window, each at every eval.lengths
+    document_masking: bool = False   # score each document on its own within a window (recorded in the mode name)
 
 
 @dataclass
@@ -206,7 +212,10 @@ def load(path) -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a JSON object (a mapping of sections), got "
                           f"{type(data).__name__}")
-    return from_dict(data)
+    try:
+        return from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -225,7 +234,7 @@ def _parse_value(text: str, kind: type, key: str):
                 return True
             if low in ("0", "false", "no", "off"):
                 return False
-            raise ValueError
+            raise ConfigError(key)            # caught below: one message for every kind
         if kind is int:
             return int(float(text)) if "e" in text.lower() and float(text).is_integer() else int(text)
         if kind is float:

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from .checks import UsageError
+
 log = logging.getLogger("fibattn")
 _logged: set = set()
 
@@ -38,6 +40,6 @@ def resolve_device(name, *, flag: str = "--device") -> torch.device:
         return dev
     if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if name.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"{flag} {name} but CUDA is not available here; use {flag} cpu or auto")
+            raise UsageError(f"{flag} {name} but CUDA is not available here; use {flag} cpu or auto")
         return torch.device(name)
-    raise ValueError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    raise UsageError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")

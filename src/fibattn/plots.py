@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from .checks import UsageError
 from .files import atomic_write_bytes
 
 log = logging.getLogger("fibattn")
@@ -105,7 +106,7 @@ def _draw_bar(ax, panel: Panel) -> None:
 def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.0, 3.6)) -> Path:
     """Draw ``panels`` in one row and write a PNG to ``path`` (atomic); returns the path."""
     if not panels:
-        raise ValueError("save_panels needs at least one panel")
+        raise UsageError("save_panels needs at least one panel")
     plt = require()
     fig, axes = plt.subplots(1, len(panels), figsize=(panel_size[0] * len(panels), panel_size[1]), squeeze=False)
     try:
@@ -115,7 +116,7 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
             elif panel.kind == "line":
                 _draw_line(ax, panel)
             else:
-                raise ValueError(f"panel kind must be line or bar, got {panel.kind!r}")
+                raise UsageError(f"panel kind must be line or bar, got {panel.kind!r}")
             if panel.hline is not None:
                 ax.axhline(panel.hline, color="grey", linestyle=":", linewidth=1, label=panel.hline_label or None)
             if panel.vline is not None:

@@ -17,7 +17,7 @@ from typing import Sequence, Union
 import torch
 from torch import nn
 
-from .checks import check_int, check_positive
+from .checks import UsageError, check_int, check_positive
 
 SCHEDULES = ("fixed", "linear", "coprime", "learned", "custom")
 BASE_KINDS = ("fib", "pow2", "custom")
@@ -46,10 +46,10 @@ def pow2_base(limit: int) -> list[int]:
 def check_custom_base(values: Sequence[int]) -> list[int]:
     vals = list(values)
     if not vals:
-        raise ValueError("base must hold at least one positive integer, got an empty list")
+        raise UsageError("base must hold at least one positive integer, got an empty list")
     for v in vals:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"base values must be positive integers (>= 1), got {v!r}")
+            raise UsageError(f"base values must be positive integers (>= 1), got {v!r}")
     return vals
 
 
@@ -63,7 +63,7 @@ class Base:
 
     def __post_init__(self):
         if self.kind not in BASE_KINDS:
-            raise ValueError(f"base kind must be one of {BASE_KINDS}, got {self.kind!r}")
+            raise UsageError(f"base kind must be one of {BASE_KINDS}, got {self.kind!r}")
         if self.kind == "fib":
             check_int("base k", self.k, 1)
         if self.kind == "custom":
@@ -91,7 +91,7 @@ def as_base(base: BaseLike) -> Base:
             return Base("fib", k=int(arg) if arg else 15)
         if kind == "pow2" and not arg:
             return Base("pow2")
-        raise ValueError(f"base must be 'fib', 'fib:K', 'pow2' or a list of positive integers, got {base!r}")
+        raise UsageError(f"base must be 'fib', 'fib:K', 'pow2' or a list of positive integers, got {base!r}")
     if isinstance(base, torch.Tensor):
         base = base.tolist()
     return Base("custom", values=tuple(check_custom_base(base)))
@@ -176,7 +176,7 @@ def _check_bounds(a_min: float, a_max: float) -> tuple[float, float]:
     a_min = check_positive("a_min", a_min)
     a_max = check_positive("a_max", a_max)
     if a_min > a_max:
-        raise ValueError(f"a_min must be <= a_max, got a_min={a_min} > a_max={a_max}")
+        raise UsageError(f"a_min must be <= a_max, got a_min={a_min} > a_max={a_max}")
     return a_min, a_max
 
 
@@ -204,22 +204,22 @@ def layer_alphas(schedule: str, n_layers: int, *, a_min: float = 0.5, a_max: flo
     check_int("n_layers", n_layers, 1)
     a_min, a_max = _check_bounds(a_min, a_max)
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise UsageError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if schedule in ("fixed", "learned") and values is None:
         out = [check_positive("value", value)] * n_layers
     elif schedule in ("custom", "learned"):
         if values is None:
-            raise ValueError("schedule 'custom' needs values: a list of one alpha per layer")
+            raise UsageError("schedule 'custom' needs values: a list of one alpha per layer")
         out = [check_positive("values[i]", v) for v in values]
         if len(out) != n_layers:
-            raise ValueError(f"values must have n_layers={n_layers} entries, got {len(out)}")
+            raise UsageError(f"values must have n_layers={n_layers} entries, got {len(out)}")
     else:
         span = n_layers - 1
         lin = [a_min + (a_max - a_min) * (layer / span if span else 0.0) for layer in range(n_layers)]
         out = lin if schedule == "linear" else [lin[s] for s in coprime_slots(n_layers)]
     for i, a in enumerate(out):
         if not a_min - 1e-12 <= a <= a_max + 1e-12:
-            raise ValueError(f"alpha of layer {i} must lie in [a_min, a_max] = [{a_min}, {a_max}], got {a}")
+            raise UsageError(f"alpha of layer {i} must lie in [a_min, a_max] = [{a_min}, {a_max}], got {a}")
     return out
 
 
@@ -236,7 +236,7 @@ class LearnedAlphas(nn.Module):
         check_int("n_layers", n_layers, 1)
         self.a_min, self.a_max = _check_bounds(a_min, a_max)
         if self.a_max == self.a_min:
-            raise ValueError(f"a learned alpha needs a_min < a_max, got both {a_min}")
+            raise UsageError(f"a learned alpha needs a_min < a_max, got both {a_min}")
         theta = torch.zeros(n_layers, dtype=torch.float32)
         if init is not None:
             start = layer_alphas("custom", n_layers, a_min=a_min, a_max=a_max, values=init)

@@ -11,8 +11,8 @@ import os
 import typing
 
 from . import devices
-from .config import (BACKENDS, ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
-                     show_value)
+from .config import (ACTIVATION_CHECKPOINTING, BACKENDS, ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig,
+                     SourceConfig, TrainConfig, show_value)
 
 # ----------------------------------------------------------------------------- validation
 def _need(ok: bool, msg: str):
@@ -90,12 +90,16 @@ def _gb(n: float) -> str:
 
 
 def check_training_fits(m: ModelConfig, micro_batch: int, bf16: bool, device, *,
-                        flags: str = "train.micro_batch / model.seq_len") -> None:
+                        flags: str = "train.micro_batch / model.seq_len", checkpointing: str = "none",
+                        context: int = 1) -> None:
     """Refuse training that certainly exceeds ``device``'s memory, naming the estimate. A lower bound:
     fp32 weights, gradients and both AdamW moments (16 bytes per parameter), eight saved ``d_model``
-    activations per token and layer, and one micro-batch's logits with their gradient."""
-    n, tokens = estimate_params(m), micro_batch * m.seq_len
-    need = 16 * n + tokens * (2 if bf16 else 4) * 8 * m.d_model * m.n_layers + tokens * 4 * 2 * m.vocab_size
+    activations per token and layer (``checkpointing="full"``: one per layer plus one recomputed block's
+    eight), and one micro-batch's logits with their gradient; ``context``: a context-parallel rank holds
+    1/``context`` of each sequence's activations."""
+    n, tokens = estimate_params(m), micro_batch * m.seq_len // context
+    saved = m.n_layers + 8 if checkpointing == "full" else 8 * m.n_layers
+    need = 16 * n + tokens * (2 if bf16 else 4) * saved * m.d_model + tokens * 4 * 2 * m.vocab_size
     mem = devices.device_memory_bytes(device)
     if mem is not None and need > mem:
         raise ConfigError(f"training this model needs at least {_gb(need)} ({n:.3g} parameters at 16 bytes each for "
@@ -209,7 +213,7 @@ def validate_train(t: TrainConfig) -> None:
     _check_types(t, s)
     _need(t.out_dir.strip() != "", "train.out_dir must name a folder, got ''")
     for name in ("steps", "batch_tokens", "micro_batch", "log_every", "ckpt_every", "keep_ckpts",
-                 "max_bad_steps", "eval_tokens"):
+                 "max_bad_steps", "eval_tokens", "context_parallel"):
         _int_at_least(t, s, name, 1)
     for name in ("warmup_steps", "eval_every", "threads", "seed"):
         _int_at_least(t, s, name, 0)
@@ -220,6 +224,7 @@ def validate_train(t: TrainConfig) -> None:
     _num_in(t, s, "beta2", 0, 1, hi_open=True)
     _num_in(t, s, "grad_clip", 0, 1e9)
     _choice(t, s, "precision", ("auto", "fp32", "bf16"))
+    _choice(t, s, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
     _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
           f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
@@ -251,6 +256,19 @@ def given_by_set(items) -> dict:
     return {k: f"--set {k}" for k in keys}
 
 
+def validate_given(cfg: RunConfig, config_file=None, sets=()) -> RunConfig:
+    """:func:`validate`, naming the ``--config`` file when the refused field's value came from it (a
+    field no ``--set`` gave)."""
+    try:
+        return validate(cfg)
+    except ConfigError as exc:
+        field = str(exc).split(" ", 1)[0].split("[", 1)[0].rstrip(":,")
+        keys = {s.split("=", 1)[0].strip() for s in sets or ()}
+        if config_file and "." in field and field not in keys:
+            raise ConfigError(f"config file {config_file}: {exc}") from None
+        raise
+
+
 def given_by_file(cfg: RunConfig, path) -> dict:
     """``data.vocab_size`` when a ``--config`` file sets it away from its default, for :func:`check_honoured`.
     Only that key: a saved config lists every key, and a preset's model settings (``base_k`` under a
@@ -272,6 +290,21 @@ def check_honoured(cfg: RunConfig, given: dict) -> None:
                               f"read only with {decider}={' or '.join(values)}); drop it, or set {decider}")
 
 
+def fit_warmup(t: TrainConfig, given: dict | None = None) -> str | None:
+    """A warm-up longer than the run never reaches ``train.lr``. One the user gave (``given``: key -> how) is
+    refused; a preset's or the default's (a shortened preset run) is cut to ``train.steps`` -- the user asked
+    for ``train.lr``, and gets it at the last step -- and the note to log is returned."""
+    if t.warmup_steps <= t.steps:
+        return None
+    if given and "train.warmup_steps" in given:
+        raise ConfigError(f"{given['train.warmup_steps']}: train.warmup_steps ({t.warmup_steps}) must be <= "
+                          f"train.steps ({t.steps}); a longer warm-up never reaches train.lr")
+    note = (f"fibattn: train.warmup_steps {t.warmup_steps} (not set by you) is longer than train.steps {t.steps}: "
+            f"warming up over all {t.steps} steps (set train.warmup_steps to choose)")
+    t.warmup_steps = t.steps
+    return note
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     _check_types(cfg, "")
     _need(cfg.name.strip() != "", "name must be a non-empty string, got ''")
@@ -283,4 +316,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _need(cfg.train.batch_tokens % tokens_per_micro == 0,
           f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of "
           f"train.micro_batch * model.seq_len ({tokens_per_micro})")
+    P = cfg.train.context_parallel
+    _need(cfg.model.seq_len % P == 0, f"model.seq_len ({cfg.model.seq_len}) must be divisible by "
+          f"train.context_parallel ({P}): each rank of a context group takes an equal chunk")
+    _need(P == 1 or not cfg.train.compile, f"train.compile=true with train.context_parallel={P} is not supported yet "
+          "(the halo exchange is not traced); set one of them back")
     return cfg

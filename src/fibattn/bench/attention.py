@@ -18,7 +18,10 @@ Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting
 - ``flex``: FlexAttention compiled with the distance set's block mask (CUDA only);
 - ``torch``: :func:`fibattn.sparse_attention` on the portable ``torch`` backend (CUDA only);
 - ``integer``: :func:`fibattn.sparse_attention` with the ``auto`` backend (named in the table);
-- ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``.
+- ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``;
+- ``integer-docs``, ``interpolated-docs`` (with ``--documents N``, next to their plain op): the
+  same with ``N`` packed documents of equal length per row (document masking), and a line
+  giving their cost over the plain op.
 
 After the table, one line per op gives its per-call host overhead (:func:`host_overhead`, ~0.5 s
 each): the public op on the ``cpu`` backend at T=16, forward+backward, against its kernels
@@ -50,9 +53,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..ops import backend_available
-from ..validation import check_sizes_fit
-from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, PATHS, BenchConfig, _inputs, backend_name,
-                              make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
+from ..validation import ConfigError, check_sizes_fit
+from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, BenchConfig, _inputs,
+                              backend_name, check_documents, document_lines, make_step, mask_bytes, pick_sdpa,
+                              sdpa_label, traffic_bytes)
 from .host_overhead import HostOverhead, host_overhead
 
 __all__ = ["BenchConfig", "HostOverhead", "Record", "PATHS", "bench_length", "configure_parser", "host_overhead", "run",
@@ -191,7 +195,7 @@ def bench_length(cfg: BenchConfig, T: int, backward: bool = True) -> list[Record
     inputs = None
     for p in live:
         recs[p].ms = statistics.median(times[p])
-        if cfg.on_cuda and p in ("integer", "interpolated"):
+        if cfg.on_cuda and p in ("integer", "interpolated", *DOC_PATHS.values()):
             recs[p].gb_s = traffic_bytes(cfg, T, backward) / (recs[p].ms / 1e3) / 1e9
         if cfg.memory and backward:
             extra = sdpa if p == "dense" else None
@@ -206,9 +210,9 @@ def _fmt(x, spec: str) -> str:
 
 def table(records: list[Record], copy_rate: float | None = None) -> str:
     w = max([8] + [len(r.backend) for r in records])
-    lines = [f"{'T':>7} {'mode':<8} {'path':<13} {'backend':<{w}} {'ms':>10} {'peak extra MB':>14} {'GB/s':>7}  note"]
+    lines = [f"{'T':>7} {'mode':<8} {'path':<17} {'backend':<{w}} {'ms':>10} {'peak extra MB':>14} {'GB/s':>7}  note"]
     for r in records:
-        lines.append(f"{r.T:>7} {r.mode:<8} {r.path:<13} {r.backend:<{w}} {_fmt(r.ms, '10.3f')} "
+        lines.append(f"{r.T:>7} {r.mode:<8} {r.path:<17} {r.backend:<{w}} {_fmt(r.ms, '10.3f')} "
                      f"{_fmt(r.peak_extra_mb, '14.1f')} {_fmt(r.gb_s, '7.0f')}  {r.skipped or ''}")
     lines.append("")
     for T, mode in sorted({(r.T, r.mode) for r in records}):
@@ -247,6 +251,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         f"{','.join(DEFAULT_PATHS['cpu'])} on CPU)")
     p.add_argument("--forward-lengths", default=None,
                    help="lengths timed forward only (default 131072 on CUDA, none on CPU)")
+    p.add_argument("--documents", type=int, default=0, metavar="N",
+                   help="also time integer-docs / interpolated-docs: N equal packed documents per row")
     p.add_argument("--mask-budget-gb", type=float, default=8.0,
                    help="skip the mask path when its estimated memory (~17 bytes x T^2) exceeds this")
 
@@ -255,9 +261,9 @@ def _lengths(text: str, flag: str) -> list[int]:
     try:
         lengths = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
     if any(T < 1 for T in lengths):
-        raise ValueError(f"{flag} must be >= 1, got {lengths}")
+        raise ConfigError(f"{flag} must be >= 1, got {lengths}")
     return lengths
 
 
@@ -278,7 +284,7 @@ def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> 
 
 def config_from_args(args) -> BenchConfig:
     if not args.device.startswith(("cpu", "cuda")):
-        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+        raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     cuda = args.device.startswith("cuda")
     if args.lengths is None:
         lengths = [] if args.memory_check else (list(CUDA_LENGTHS) if cuda else [1024, 4096, 16384])
@@ -292,29 +298,37 @@ def config_from_args(args) -> BenchConfig:
         [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]
     if bad or not paths:
-        raise ValueError(f"--paths must list some of {', '.join(PATHS)}, got {args.paths!r}")
+        raise ConfigError(f"--paths must list some of {', '.join(PATHS)}, got {args.paths!r}")
+    if args.documents < 0:
+        raise ConfigError(f"--documents must be an integer >= 1 (0: off), got {args.documents}")
+    if not args.documents and any(p in DOC_PATHS.values() for p in paths):
+        raise ConfigError(f"--paths {args.paths}: the -docs paths need --documents N (documents per row)")
+    if args.documents:
+        check_documents(args.documents, lengths + forward)
+        paths = [q for p in paths for q in ((p, DOC_PATHS[p]) if p in DOC_PATHS and DOC_PATHS[p] not in paths
+                                            else (p,))]
     batch = (4 if cuda else 1) if args.batch is None else args.batch
     if batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {batch}")
+        raise ConfigError(f"--batch must be >= 1, got {batch}")
     if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.memory_check is not None and args.memory_check < 1:
-        raise ValueError(f"--memory-check must be a length >= 1, got {args.memory_check}")
+        raise ConfigError(f"--memory-check must be a length >= 1, got {args.memory_check}")
     kv = (2 if cuda else args.heads) if args.kv_heads is None else args.kv_heads
     if args.heads < 1 or kv < 1 or args.heads % kv:
-        raise ValueError(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({kv})")
+        raise ConfigError(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({kv})")
     if args.head_dim < 1:
-        raise ValueError(f"--head-dim must be >= 1, got {args.head_dim}")
+        raise ConfigError(f"--head-dim must be >= 1, got {args.head_dim}")
     if args.mask_budget_gb <= 0:
-        raise ValueError(f"--mask-budget-gb must be > 0, got {args.mask_budget_gb}")
+        raise ConfigError(f"--mask-budget-gb must be > 0, got {args.mask_budget_gb}")
     if cuda and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
+        raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, args.device)
     return BenchConfig(lengths=lengths, repeats=args.repeats, heads=args.heads, kv_heads=kv,
                        head_dim=args.head_dim, device=args.device, mask_budget_gb=args.mask_budget_gb,
                        memory=not args.no_memory, memory_check=args.memory_check, batch=batch, dtype=dtype,
-                       paths=paths, forward_lengths=forward)
+                       paths=paths, forward_lengths=forward, documents=args.documents)
 
 
 def run(args) -> int:
@@ -340,6 +354,8 @@ def run(args) -> int:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
         print(table(records, copy_rate), file=out, flush=True)
+        for line in document_lines(records, cfg.documents):
+            print(line, file=out, flush=True)
     why = backend_available("cpu", torch.device("cpu"))
     if why is not None:
         print(f"host overhead: not measured, {why}", file=out, flush=True)

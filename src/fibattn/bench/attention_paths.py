@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fibattn
+from ..checks import UsageError
 from ..ops import resolve_backend
 from ..schedules import attended_distances
 
-PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated")
+PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated", "integer-docs", "interpolated-docs")
+DOC_PATHS = {"integer": "integer-docs", "interpolated": "interpolated-docs"}   # with --documents N
 DEFAULT_PATHS = {"cpu": ("dense", "mask", "integer", "interpolated"), "cuda": PATHS}
 CUDA_LENGTHS = [1024, 4096, 16384, 65536]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +42,7 @@ class BenchConfig:
     dtype: str = "float32"
     paths: list[str] = field(default_factory=lambda: list(DEFAULT_PATHS["cpu"]))
     forward_lengths: list[int] = field(default_factory=list)
+    documents: int = 0             # the -docs paths: this many equal documents per row
 
     @property
     def on_cuda(self) -> bool:
@@ -111,6 +114,26 @@ def pick_sdpa(step_under) -> str:
     raise RuntimeError(f"dense SDPA: no backend runs these inputs ({tried})") from errors[0][1]
 
 
+def check_documents(n: int, lengths) -> None:
+    """Refuse ``--documents N`` above a timed length: :func:`equal_documents` would pack fewer documents than the
+    results say (a row of ``T`` tokens holds at most ``T``)."""
+    short = min(lengths, default=n)
+    if n > short:
+        from ..checks import ConfigError
+        raise ConfigError(f"--documents {n} is more than the {short} tokens of a row at length {short} (each "
+                          f"document needs a token); give --documents <= {short} or longer --lengths")
+
+
+def equal_documents(batch: int, T: int, n: int, device) -> torch.Tensor:
+    """``document_ids`` of ``n`` documents of (nearly) equal length in every row."""
+    n = max(1, min(n, T))
+    return (torch.arange(T, device=device) * n // T).expand(batch, T).contiguous()
+
+
+def document_ids(cfg: BenchConfig, T: int, device) -> torch.Tensor:
+    return equal_documents(cfg.batch, T, cfg.documents, device)
+
+
 def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool = True, sdpa: str | None = None):
     """A closure running one forward+backward (or forward) of ``path`` (on ``inputs`` or fresh ones).
     ``sdpa`` (dense path only): run SDPA under that backend alone (flash, efficient, cudnn, math)."""
@@ -130,20 +153,22 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool =
 
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    elif path in ("integer", "torch", "flex"):
+    elif path in ("integer", "torch", "flex", "integer-docs"):
         dists = _distances(cfg, T)
-        backend = "auto" if path == "integer" else path
+        backend = path if path in ("torch", "flex") else "auto"
+        docs = document_ids(cfg, T, q.device) if path.endswith("-docs") else None
 
         def fwd():
-            return fibattn.sparse_attention(q, k, v, dists, backend=backend)
-    elif path == "interpolated":
+            return fibattn.sparse_attention(q, k, v, dists, backend=backend, document_ids=docs)
+    elif path in ("interpolated", "interpolated-docs"):
         alpha = torch.tensor(cfg.alpha, device=q.device, requires_grad=True)
+        docs = document_ids(cfg, T, q.device) if path.endswith("-docs") else None
 
         def fwd():
             return fibattn.interpolated_sparse_attention(q, k, v, alpha=alpha, base=f"fib:{cfg.fib_k}",
-                                                         window=cfg.window, backend="auto")
+                                                         window=cfg.window, backend="auto", document_ids=docs)
     else:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        raise UsageError(f"path must be one of {PATHS}, got {path!r}")
 
     def run():
         if not backward:
@@ -168,7 +193,7 @@ def backend_name(cfg: BenchConfig, path: str) -> str:
         return "sdpa"
     if path in ("torch", "flex"):
         return path
-    return resolve_backend("auto", torch.device(cfg.device), interpolated=path == "interpolated")
+    return resolve_backend("auto", torch.device(cfg.device), interpolated=path.startswith("interpolated"))
 
 
 def traffic_bytes(cfg: BenchConfig, T: int, backward: bool = True) -> int:
@@ -181,3 +206,16 @@ def traffic_bytes(cfg: BenchConfig, T: int, backward: bool = True) -> int:
     ns = cfg.batch * cfg.heads * T * 4
     fwd = 2 * nq + 2 * nkv + ns
     return fwd + (4 * nq + 2 * nkv + 2 * ns) + (2 * nq + 4 * nkv + 2 * ns) if backward else fwd
+
+
+def document_lines(records, documents: int) -> list[str]:
+    """Document masking's cost over the plain op, measured side by side, per (length, mode), from
+    ``bench.attention.Record``s."""
+    by = {(r.T, r.mode, r.path): r.ms for r in records if r.ms is not None}
+    lines = []
+    for (T, mode, path), ms in by.items():
+        plain = next((p for p, d in DOC_PATHS.items() if d == path), None)
+        if plain is not None and (T, mode, plain) in by:
+            lines.append(f"document masking ({documents} documents per row), {plain} {mode} at T={T}: "
+                         f"{ms:.1f} ms vs {by[(T, mode, plain)]:.1f} ms ({ms / by[(T, mode, plain)] - 1:+.1%})")
+    return lines

@@ -19,6 +19,8 @@ import torch
 from ..config import ConfigError
 from ..validation import check_sizes_fit
 
+TOKEN_BYTES = 8 + 512 + 2 * 64 * 4      # the least one position of the tiny Llama takes (see run)
+
 
 def configure_parser(parser) -> None:
     parser.add_argument("--contexts", default="4096,16384", help="contexts N: prompt + new tokens (default 4096,16384)")
@@ -79,11 +81,13 @@ def run(args) -> int:
         raise ConfigError(f"--new must be an integer >= 1, got {args.new}")
     if args.reach_len < 1:
         raise ConfigError(f"--reach-len must be an integer >= 1, got {args.reach_len}")
+    # every position, prompt or generated, holds at least its id, the full cache's keys and values (2 layers x
+    # 2 KV heads x 2 x 16 floats) and two hidden states of 64 floats; --new first: it is part of every context
+    check_sizes_fit("--new", [args.new], lambda n: n * TOKEN_BYTES, "the generated tokens' ids, full cache and "
+                    "hidden states")
     if not contexts or contexts[0] <= args.new:
         raise ConfigError(f"--contexts must list integers > --new ({args.new}), got {args.contexts!r}")
-    # per token at least: the prompt id, the full cache's keys and values (2 layers x 2 KV heads x 2 x 16 floats)
-    # and two hidden states of 64 floats
-    check_sizes_fit("--contexts", contexts, lambda n: n * (8 + 512 + 2 * 64 * 4), "the prompt, the full cache and "
+    check_sizes_fit("--contexts", contexts, lambda n: n * TOKEN_BYTES, "the prompt, the full cache and "
                     "the hidden states of the tiny Llama")
     try:
         import transformers  # noqa: F401

@@ -9,6 +9,7 @@ import torch
 
 import fibattn
 
+from ..checks import UsageError
 from ..ops import cpu_backend, eager
 from ..ops.columns import ColumnSpec
 from ..schedules import as_base
@@ -44,7 +45,7 @@ def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) ->
     its fastest round, since load from other processes only ever adds time.
     """
     if op not in ("integer", "interpolated"):
-        raise ValueError(f"op must be 'integer' or 'interpolated', got {op!r}")
+        raise UsageError(f"op must be 'integer' or 'interpolated', got {op!r}")
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(4))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -68,7 +69,7 @@ def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) ->
         torch.autograd.grad(forward(), leaves, dout)
 
     def function():
-        out = eager.Attention.apply(*leaves[:3], leaves[3] if len(leaves) > 3 else None, cpu_backend, spec, scale)
+        out = eager.Attention.apply(*leaves[:3], leaves[3] if len(leaves) > 3 else None, cpu_backend, spec, scale, None)
         torch.autograd.grad(out, leaves, dout)
 
     def direct():

@@ -11,11 +11,13 @@ import errno
 import logging
 import os
 import sys
+import threading
 import traceback
 
 import torch
 
 from .. import __version__
+from ..checks import UsageError
 from ..files import os_error_line
 from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, show_config, train
 
@@ -29,7 +31,7 @@ COMMANDS = {
     "report": (report, "tables and plots for a grid"),
     "generate": (generate, "stream tokens from a trained model"),
     "export": (export, "write a portable model folder"),
-    "bench": (bench, "benchmarks: attention, train, generate, hf-cache"),
+    "bench": (bench, "benchmarks: attention, train, generate, hf-cache, context-parallel"),
     "config": (show_config, "every --set key with its value, for a preset or a saved config"),
 }
 
@@ -86,22 +88,75 @@ def _out_of_memory(exc: Exception) -> bool:
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
+class _HeldLog(logging.StreamHandler):
+    """stderr logging that holds its first lines for ``HOLD_S`` seconds: a command refused for its input
+    in that time prints its one error line alone, without the notes (``backend auto -> cpu``) logged
+    while the input was read; otherwise the held lines come out then, in order."""
+
+    HOLD_S = 2.0
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+        self.held: list | None = []
+        self.timer = threading.Timer(self.HOLD_S, self.let_go)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def emit(self, record):
+        with self.lock:
+            if self.held is not None:
+                self.held.append(record)
+                return
+        super().emit(record)
+
+    def let_go(self, keep: bool = True) -> None:        # (release() is the lock's)
+        self.timer.cancel()
+        with self.lock:                    # a record logged meanwhile waits: the held ones come out first
+            held, self.held = self.held or [], None
+            for record in held if keep else ():
+                super().emit(record)
+
+
+def _start_logging(verbose: bool) -> _HeldLog | None:
+    root = logging.getLogger()
+    if root.handlers:                      # someone configured logging already (tests, an embedding program)
+        return None
+    handler = _HeldLog()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    return handler
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:              # --help (0) or a bad argument (2, already printed as one line)
         return exc.code if isinstance(exc.code, int) else 2
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(message)s")
+    held = _start_logging(args.verbose)
+    try:
+        code = _run(args, held)
+    finally:
+        if held is not None:
+            held.let_go()                 # lines held from a run that did not refuse its input
+    return code
+
+
+def _run(args, held: _HeldLog | None) -> int:
     try:
         return int(args._module.run(args) or 0)
-    except ValueError as exc:              # UsageError (ConfigError, BackendUnavailable, ...): bad input
+    except UsageError as exc:              # bad input (ConfigError, ExportError, ...); a plain ValueError is a bug
+        if held is not None:
+            held.let_go(keep=False)       # the error line alone
         print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:                # stdout closed early (``fibattn config | head``): not an error
         sys.stdout = open(os.devnull, "w")
         return 0
     except OSError as exc:                 # the file system refused: one line naming the path, never a traceback
+        if held is not None:
+            held.let_go(keep=False)
         print(f"fibattn {args.command}: error: {os_error_line(exc, _setting_of(args, exc))}", file=sys.stderr)
         return 1 if exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) else 2
     except KeyboardInterrupt:
@@ -113,6 +168,8 @@ def main(argv=None) -> int:
             print(f"fibattn {args.command}: error: out of memory ({why}); lower the sizes asked for",
                   file=sys.stderr)
             return 1
+        if held is not None:
+            held.let_go()                 # what was logged before the traceback, in order
         traceback.print_exc()
         where = traceback.extract_tb(exc.__traceback__)[-1]
         print(f"fibattn {args.command}: internal error (a bug in fibattn, not your input; please report it): "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from ..checks import UsageError
 from ..files import check_creatable
 from ..study import report as Rp
 from ..study.demo import NOTE, RETROFIT_NOTE, extrapolation_lines, forget_runs, headline_lines, retrofit_lines
@@ -29,7 +30,7 @@ def configure_parser(parser) -> None:
 def cpu_workers(jobs: int, device: str) -> list[str] | None:
     """Worker slots for :func:`run_grid`: ``cpu0..cpuN-1`` on CPU, or None for one run at a time."""
     if jobs < 0:
-        raise ValueError(f"--jobs must be >= 0 (0 = auto), got {jobs}")
+        raise UsageError(f"--jobs must be >= 0 (0 = auto), got {jobs}")
     if device != "cpu":
         return None
     n = jobs or min(4, os.cpu_count() or 1)

@@ -1,7 +1,10 @@
 """``fibattn eval``: perplexity of a run across lengths on its validation splits."""
 from __future__ import annotations
 
-from ..checks import parse_int_list
+import argparse
+import os
+
+from ..checks import UsageError, parse_int_list
 from ..eval.run_folder import evaluate_run
 from ..storage.runs import parse_step
 
@@ -23,6 +26,11 @@ def configure_parser(parser) -> None:
                         help="RoPE scaling factor >= 1 (default: evaluation length / training length, at least 1)")
     parser.add_argument("--dense-window", action="store_true",
                         help="dense model only: sliding window of the training length (the same as --mode window)")
+    parser.add_argument("--document-masking", action=argparse.BooleanOptionalAction, default=None,
+                        help="score each document of a window on its own, its <eos> ending it (default: "
+                        "eval.document_masking); results get the mode suffix +docs")
+    parser.add_argument("--context-parallel", type=int, default=1, metavar="P",
+                        help="under torchrun with P processes: each computes 1/P of every window (method.md §9)")
     parser.add_argument("--batch-size", type=int, default=None, help="windows per forward (default: eval.batch_size)")
     parser.add_argument("--buckets", type=int, default=32, help="per-position loss buckets (default 32)")
     parser.add_argument("--device", default=None, help="auto | cpu | cuda | cuda:N (default: the run's train.device)")
@@ -38,16 +46,19 @@ def run(args) -> int:
     lengths = parse_int_list(args.lengths, "--lengths") if args.lengths else None
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
     if args.tokens is not None and args.tokens < 1:
-        raise ValueError(f"--tokens must be an integer >= 1, got {args.tokens}")
+        raise UsageError(f"--tokens must be an integer >= 1, got {args.tokens}")
     if args.batch_size is not None and args.batch_size < 1:
-        raise ValueError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
+        raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     if args.buckets < 1:
-        raise ValueError(f"--buckets must be an integer >= 1, got {args.buckets}")
+        raise UsageError(f"--buckets must be an integer >= 1, got {args.buckets}")
     report = evaluate_run(args.run, step=parse_step(args.step), lengths=lengths, datasets=datasets,
                           tokens=args.tokens, reach=args.reach, dense_window=args.dense_window, mode=args.mode,
                           rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
                           batch_size=args.batch_size, device=args.device, precision=args.precision, data=args.data,
-                          json_out=args.json, db=args.db, plot=not args.no_plot, buckets=args.buckets)
+                          json_out=args.json, db=args.db, plot=not args.no_plot, buckets=args.buckets,
+                          document_masking=args.document_masking, context_parallel=args.context_parallel)
+    if args.context_parallel > 1 and os.environ.get("RANK", "0") != "0":
+        return 0                                 # the group's first process prints and writes
     s = report.settings
     print(f"run {s['run']} step {s['step']} | mode {s['mode']} | train length {s['train_len']} | "
           f"device {s['device']} | precision {s['precision']}")

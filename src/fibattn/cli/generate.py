@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 from ..devices import resolve_device
 from ..generation.decode import TextStream, generate
 from ..model.rope import SCALING_KINDS, check_factor
@@ -45,16 +45,16 @@ def _check_flags(args) -> None:
     if args.seed is not None:
         check_int("--seed", args.seed, 0)
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not (0 < args.top_p <= 1):
-        raise ValueError(f"--top-p must be a number in (0, 1] (1 = off), got {args.top_p}")
+        raise UsageError(f"--top-p must be a number in (0, 1] (1 = off), got {args.top_p}")
     kind, factor = getattr(args, "rope_scaling", "none"), getattr(args, "rope_factor", None)
     if kind not in SCALING_KINDS:
-        raise ValueError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {kind!r}")
+        raise UsageError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {kind!r}")
     if factor is not None:
         check_factor(factor, "--rope-factor")
         if kind == "none":
-            raise ValueError(f"--rope-factor applies with --rope-scaling linear, ntk or yarn, got --rope-scaling "
+            raise UsageError(f"--rope-factor applies with --rope-scaling linear, ntk or yarn, got --rope-scaling "
                              f"none and --rope-factor {factor:g}")
 
 
@@ -67,10 +67,10 @@ def run(args, out=None) -> int:
         torch.set_num_threads(check_int("--threads", args.threads, 0))
     model, tokenizer = load_model(args.run_dir, step=step, device=device, model_overrides=args.overrides)
     if tokenizer is None:
-        raise ValueError(f"{args.run_dir} has no tokenizer (tokenizer.json in the checkpoint, export or data folder)")
+        raise UsageError(f"{args.run_dir} has no tokenizer (tokenizer.json in the checkpoint, export or data folder)")
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
-        raise ValueError("--prompt encodes to no tokens; give a non-empty prompt")
+        raise UsageError("--prompt encodes to no tokens; give a non-empty prompt")
     eos = getattr(tokenizer, "eos_id", None)
     kind, factor = getattr(args, "rope_scaling", "none"), getattr(args, "rope_factor", None)
     steps = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

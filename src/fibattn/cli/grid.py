@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 
+from ..checks import UsageError
 from ..files import check_creatable
 from ..study import runner as R
 from ..study.commands import commands
@@ -13,9 +14,9 @@ def parse_devices(text: str | None) -> list[str] | None:
         return None
     items = [d.strip() for d in text.split(",") if d.strip()]
     if not items or not all(d.isdigit() for d in items):
-        raise ValueError(f"--devices must be a comma-separated list of GPU indices like 0,1,2,3, got {text!r}")
+        raise UsageError(f"--devices must be a comma-separated list of GPU indices like 0,1,2,3, got {text!r}")
     if len(set(items)) != len(items):
-        raise ValueError(f"--devices lists a GPU twice: {text!r}")
+        raise UsageError(f"--devices lists a GPU twice: {text!r}")
     return items
 
 
@@ -39,7 +40,7 @@ def run(args) -> int:
     grid = build_grid(args.grid, only=args.only, extend=args.extend, sets=args.set)
     root = check_creatable(args.root or f"runs/{args.grid}", "--root")
     if args.gpus_per_run < 1:
-        raise ValueError(f"--gpus-per-run must be >= 1, got {args.gpus_per_run}")
+        raise UsageError(f"--gpus-per-run must be >= 1, got {args.gpus_per_run}")
     if args.print_commands:
         print(commands(grid, root, args.print_commands, gpus=args.gpus_per_run, only=args.only), end="")
         return 0

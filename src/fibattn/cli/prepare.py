@@ -94,6 +94,9 @@ def run(args) -> int:
             raise ConfigError(f"--tokenizer must be byte, bpe, or a tokenizer.json file (or a folder holding one), "
                               f"got {args.tokenizer!r}")
     if args.vocab_size is not None:
+        if not 256 <= args.vocab_size <= 1 << 32:          # named as the flag, not as data.vocab_size
+            raise ConfigError(f"--vocab-size must be an integer in [256, {1 << 32}] (a bpe vocabulary holds the 256 "
+                              f"bytes), got {args.vocab_size}")
         cfg.data.vocab_size = args.vocab_size
     apply_overrides(cfg, args.overrides)
     flags = {"data.vocab_size": "--vocab-size"} if args.vocab_size is not None else {}

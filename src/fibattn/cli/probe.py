@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..checks import parse_int_list
+from ..checks import UsageError, parse_int_list
 from ..devices import resolve_device
 from ..files import check_creatable, check_overwritable
 from ..study.probe import ProbeConfig, preset, run_probe
@@ -65,7 +65,7 @@ def run(args) -> int:
     mine = {"probe.json": '"config"', "probe.md": "# Retrieval probe"}     # how fibattn's own copies begin
     check_overwritable(check_creatable(args.out, "--out"), mine, "--out")
     if args.threads < 0:
-        raise ValueError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
+        raise UsageError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     t = cfg.task

@@ -13,7 +13,7 @@ import typing
 from .. import config as C
 from ..config import ConfigError
 from ..presets import PRESETS, get_preset
-from ..validation import check_honoured, given_by_set, validate
+from ..validation import check_honoured, given_by_set, validate_given
 
 
 def configure_parser(parser) -> None:
@@ -46,7 +46,7 @@ def run(args) -> int:
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
     cfg = C.load(args.config) if args.config else get_preset(args.preset or "tiny")
-    validate(C.apply_overrides(cfg, args.set))
+    validate_given(C.apply_overrides(cfg, args.set), args.config, args.set)
     check_honoured(cfg, given_by_set(args.set))
     if args.json:
         print(json.dumps(C.to_dict(cfg), indent=2, sort_keys=True))

@@ -8,11 +8,13 @@ from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
 from ..data.manifest import data_config
+from ..files import check_creatable
 from ..storage.init_source import naming
+from ..trainer.distributed import starting
 from ..trainer.init_recipe import apply_recipe
 from ..trainer.init_weights import resumed_init
 from ..trainer.trainer import TrainingAborted, train
-from ..validation import check_honoured, given_by_file, given_by_set, validate
+from ..validation import check_honoured, fit_warmup, given_by_file, given_by_set, validate_given
 
 log = logging.getLogger("fibattn")
 
@@ -20,6 +22,7 @@ log = logging.getLogger("fibattn")
 def build_config(args, notes: list | None = None) -> RunConfig:
     """The run's config from the flags; what it says to the user goes to ``notes`` (logged now without)."""
     from ..presets import get_preset
+    say = log.info if notes is None else notes.append
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
     if args.config:
@@ -43,20 +46,20 @@ def build_config(args, notes: list | None = None) -> RunConfig:
     if args.init_from is not None or "train.init_from" in keys:
         done = apply_recipe(cfg, set(keys))          # (a --config that already names a source is taken as it is)
         if done:
-            note = (f"fibattn: fine-tuning from {cfg.train.init_from}: {', '.join(done)} (docs/retrofit.md; --set "
-                    f"overrides)")
-            if notes is None:
-                log.info(note)
-            else:
-                notes.append(note)
+            say(f"fibattn: fine-tuning from {cfg.train.init_from}: {', '.join(done)} (docs/retrofit.md; --set "
+                f"overrides)")
     if isinstance(cfg.data.out_dir, str) and cfg.data.out_dir.strip():
         cfg.data.out_dir = str(Path(cfg.data.out_dir).expanduser().absolute())   # eval works from any directory
     if args.out:
         cfg.train.out_dir = args.out
         if "name" not in keys:
             cfg.name = Path(args.out).resolve().name       # a run is named after its folder
-    validate(cfg)
-    check_honoured(cfg, {**(given_by_file(cfg, args.config) if args.config else {}), **given_by_set(sets)})
+    validate_given(cfg, args.config, sets)
+    given = {**(given_by_file(cfg, args.config) if args.config else {}), **given_by_set(sets)}
+    check_honoured(cfg, given)
+    note = fit_warmup(cfg.train, given)
+    if note:
+        say(note)
     return cfg
 
 
@@ -95,9 +98,15 @@ def run(args) -> int:
         raise ConfigError(f"--resume must be auto, never or a checkpoint folder, got {args.resume!r}")
     with naming("--init-from" if args.init_from is not None else "train.init_from"):    # errors name the flag
         notes: list = []
-        cfg = build_config(args, notes)
-        if cfg.train.init_from and args.resume:
-            resumed_init(cfg, args.resume)      # a refused --init-from / --resume pair is the only line printed
+        with starting():                        # under torchrun: a rank's refusal reaches every rank
+            cfg = build_config(args, notes)
+            if args.out is not None:            # named as the flag given, and its field
+                check_creatable(cfg.train.out_dir, "--out (train.out_dir)")
+            if args.stop_at is not None and args.stop_at > cfg.train.steps:     # would silently run to the end
+                raise ConfigError(f"--stop-at {args.stop_at} is beyond train.steps ({cfg.train.steps}): the run ends "
+                                  f"first; give --stop-at <= {cfg.train.steps} or raise train.steps")
+            if cfg.train.init_from and args.resume:
+                resumed_init(cfg, args.resume)  # a refused --init-from / --resume pair is the only line printed
         for note in notes:
             log.info(note)
         try:

@@ -14,6 +14,8 @@ import gzip
 import hashlib
 import importlib.resources
 
+from ..checks import UsageError
+
 CORPUS_FILE = "works.txt.gz"
 CORPUS_SHA256 = "3237e33221e73615c677bd59fd69a76da38f9a2eb51d6efb7191f32f8cb9fa4c"
 ATTRIBUTION = "Open Shakespeare, Open Knowledge Foundation (CC BY 2.5; the works are in the public domain)"
@@ -32,10 +34,10 @@ def read_corpus() -> str:
     try:
         raw = gzip.decompress(resource.read_bytes())
     except (OSError, EOFError) as exc:
-        raise ValueError(f"bundled corpus {resource} cannot be read: {exc}") from exc
+        raise UsageError(f"bundled corpus {resource} cannot be read: {exc}") from exc
     digest = hashlib.sha256(raw).hexdigest()
     if digest != CORPUS_SHA256:
-        raise ValueError(f"bundled corpus {resource} is corrupted: sha256 {digest}, expected {CORPUS_SHA256}")
+        raise UsageError(f"bundled corpus {resource} is corrupted: sha256 {digest}, expected {CORPUS_SHA256}")
     return raw.decode("utf-8")
 
 

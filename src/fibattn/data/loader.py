@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
+from ..config import ConfigError
 from .manifest import read_manifest
 from .shards import ShardError, open_shard
 from .verified import verified_shard
@@ -157,7 +158,7 @@ class TokenData:
         hashes. ``verify=False``: header and size checks only, as opened.
         """
         if name not in self._val:
-            raise ValueError(f"no validation split {name!r} in {self.path} (have: {', '.join(self._val)})")
+            raise UsageError(f"no validation split {name!r} in {self.path} (have: {', '.join(self._val)})")
         if verify:
             self._val[name] = verified_shard(self.path, self._val_rec[name], self.vocab_size)
         return self._val[name]
@@ -165,7 +166,7 @@ class TokenData:
     def train_tokens(self, name: str) -> int:
         """Number of training tokens of source ``name``."""
         if name not in self._train:
-            raise ValueError(f"no source {name!r} in {self.path} (have: {', '.join(self._train)})")
+            raise UsageError(f"no source {name!r} in {self.path} (have: {', '.join(self._train)})")
         return self._train[name].size
 
     def data_id(self) -> str:
@@ -198,13 +199,13 @@ class Loader:
         check_int("world_size", world_size, 1)
         check_int("seed", seed, 0)
         if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
+            raise UsageError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
         self.data, self.seq_len, self.micro_batch = data, int(seq_len), int(micro_batch)
         self.seed, self.rank, self.world_size = int(seed), int(rank), int(world_size)
         self._sources = [data._train[n] for n in data.source_names]
         for src in self._sources:
             if src.size < self.seq_len + 1:
-                raise ValueError(f"source {src.name!r} has {src.size} training tokens, fewer than "
+                raise UsageError(f"source {src.name!r} has {src.size} training tokens, fewer than "
                                  f"seq_len + 1 = {self.seq_len + 1}; lower seq_len or add data")
         w = np.asarray([data.weights[s.name] for s in self._sources], dtype=np.float64)
         self._cum = np.cumsum(w / w.sum())
@@ -250,7 +251,18 @@ class Loader:
         for key in ("seed", "seq_len", "data_id"):
             mine = self.seed if key == "seed" else self.seq_len if key == "seq_len" else self.data.data_id()
             if state.get(key) != mine:
-                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}; "
+                raise UsageError(f"loader state has {key}={state.get(key)!r}, this loader has {mine!r}; "
                                  f"it cannot be resumed here")
         same = all(state.get(k) == getattr(self, k) for k in ("rank", "world_size", "micro_batch"))
         self.cursor = int(state["cursor"]) if same else int(state["next_global"]) + self.rank * self.micro_batch
+
+
+def masking_eos(masking: bool, data, field: str) -> int | None:
+    """The token that ends each document when document masking (``field``) is on, else None;
+    refused when ``data`` has none (a data folder's ``eos_id``, method.md §8)."""
+    if not masking:
+        return None
+    eos = getattr(data, "eos_id", None)
+    if isinstance(eos, bool) or not isinstance(eos, int):
+        raise ConfigError(f"{field}=true needs data with an end-of-document token (eos_id); the data given has none")
+    return eos

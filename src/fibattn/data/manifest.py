@@ -5,12 +5,14 @@ names inside the folder; anything else is one ValueError naming the file and the
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import numbers
 import re
 from pathlib import Path
 
+from ..checks import UsageError
 from ..config import DataConfig, from_dict
 from .shards import FORMAT_VERSION
 
@@ -23,12 +25,12 @@ def data_config(folder) -> tuple[DataConfig, dict]:
     manifest = read_manifest(folder)
     rec = manifest.get("config")
     if not isinstance(rec, dict):
-        raise ValueError(f"{Path(folder) / MANIFEST_FILE} records no data config (prepared by an older fibattn?); "
+        raise UsageError(f"{Path(folder) / MANIFEST_FILE} records no data config (prepared by an older fibattn?); "
                          f"prepare the folder again with --force")
     try:
         data = from_dict({"data": {**rec, "out_dir": str(Path(folder).resolve())}}).data
     except ValueError as exc:
-        raise ValueError(f"{Path(folder) / MANIFEST_FILE}: its data config is not one this fibattn reads ({exc})") \
+        raise UsageError(f"{Path(folder) / MANIFEST_FILE}: its data config is not one this fibattn reads ({exc})") \
             from None
     return data, manifest
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -128,7 +130,7 @@ def check_manifest(manifest, path) -> dict:
             if "info" in src and not isinstance(src["info"], dict):
                 raise _Bad(f"{where}.info must be a mapping, got {src['info']!r}"[:300])
     except _Bad as exc:
-        raise ValueError(f"{path} is not a valid fibattn manifest: {exc} ({_REBUILD})") from None
+        raise UsageError(f"{path} is not a valid fibattn manifest: {exc} ({_REBUILD})") from None
     return manifest
 
 
@@ -138,22 +140,25 @@ def read_manifest(folder) -> dict:
     if not path.is_file():
         if Path(folder).is_file():
             raise NotADirectoryError(f"{folder} is a file, not a prepared data folder (run `fibattn prepare`)")
-        raise FileNotFoundError(f"{folder} is not a prepared data folder: no {MANIFEST_FILE} "
-                                f"(run `fibattn prepare`)")
+        model = (Path(folder) / "config.json").is_file() or (Path(folder) / "checkpoints").is_dir()
+        # errno + filename: the CLI's one line then names the flag or setting the folder came from
+        raise FileNotFoundError(errno.ENOENT, f"not a prepared data folder, no {MANIFEST_FILE}" + (
+            "; it holds a model, a run or an export: give the data folder it was trained on, or prepare one with "
+            "`fibattn prepare`" if model else "; run `fibattn prepare`"), str(folder))
     try:
         manifest = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
-        raise ValueError(f"{path} cannot be read: {exc.strerror or exc}") from None
+        raise UsageError(f"{path} cannot be read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (a manifest is JSON): {exc}; {_REBUILD}") from None
+        raise UsageError(f"{path} is not UTF-8 text (a manifest is JSON): {exc}; {_REBUILD}") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        raise UsageError(f"{path} is not valid JSON: {exc}") from exc
     except RecursionError:
-        raise ValueError(f"{path} is not a valid fibattn manifest: nested too deeply ({_REBUILD})") from None
+        raise UsageError(f"{path} is not a valid fibattn manifest: nested too deeply ({_REBUILD})") from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{path} is not a valid fibattn manifest: the document must be a JSON object, got "
+        raise UsageError(f"{path} is not a valid fibattn manifest: the document must be a JSON object, got "
                          f"{type(manifest).__name__} ({_REBUILD})")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format_version {manifest.get('format_version')!r}; "
+        raise UsageError(f"{path} has format_version {manifest.get('format_version')!r}; "
                          f"this fibattn reads {FORMAT_VERSION} (prepare the data again with --force)")
     return check_manifest(manifest, path)

@@ -49,7 +49,7 @@ from .manifest import MANIFEST_FILE, read_manifest
 from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab
 from .sources import check_source, describe_source, iter_documents
 from .staging import Staging, clean_leftovers
-from .tokenizers import TOKENIZER_FILE, ByteTokenizer, tokenizer_sha256, train_bpe
+from .tokenizers import TOKENIZER_FILE, ByteTokenizer, DocumentTooLong, tokenizer_sha256, train_bpe
 from .verified import verified_shard
 from .writing import Progress, SourceWriter
 
@@ -157,10 +157,11 @@ def _content_change(diff: str, cfg: DataConfig) -> str:
 
 
 def _batches(docs):
+    """``(origin, document)`` pairs in batches of a bounded size."""
     batch, chars = [], 0
     for doc in docs:
         batch.append(doc)
-        chars += len(doc)
+        chars += len(doc[1])
         if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
             yield batch
             batch, chars = [], 0
@@ -173,13 +174,16 @@ def _tokenise_source(src, where, tok, dtype, folder, cfg, progress) -> dict:
     eos = np.asarray([tok.eos_id], dtype=dtype)
     docs = 0
     progress.begin()
-    for batch in _batches(iter_documents(src, where)):
-        encoded = tok.encode_batch(batch)
+    for batch in _batches(iter_documents(src, where, origin=True)):
+        try:
+            encoded = tok.encode_batch([doc for _, doc in batch])
+        except DocumentTooLong as exc:          # named here, where the document's file is known
+            raise ConfigError(f"{where} {batch[exc.index][0]}: {exc}") from None
         writer.add(np.concatenate([part for ids in encoded for part in (ids.astype(dtype, copy=False), eos)]))
         docs += len(batch)
         progress.update(src.name, docs, writer.total)
     progress.update(src.name, docs, writer.total, final=True)
-    info = writer.finish(where)
+    info = writer.finish(where, src.path)
     info["docs"] = docs
     return info
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import UsageError
 from ..files import atomic_write_bytes
 
 MAGIC = b"FIBTOKEN"
@@ -33,7 +34,7 @@ _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _HASH_CHUNK = 1 << 24
 
 
-class ShardError(ValueError):
+class ShardError(UsageError):
     """A missing, truncated, corrupted or foreign shard file (the message names it)."""
 
 
@@ -48,7 +49,7 @@ class ShardHeader:
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab_size <= 65536), else uint32."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        raise UsageError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     return _DTYPES[2] if vocab_size <= 1 << 16 else _DTYPES[4]
 
 
@@ -72,12 +73,12 @@ def write_shard(path, tokens: np.ndarray, dtype: np.dtype) -> dict:
     """Write ``tokens`` (1-D ints) as a shard; returns ``{file, tokens, bytes, sha256}`` (sha of the file)."""
     dtype = np.dtype(dtype).newbyteorder("<")
     if dtype.itemsize not in _DTYPES:
-        raise ValueError(f"shard dtype must be uint16 or uint32, got {dtype}")
+        raise UsageError(f"shard dtype must be uint16 or uint32, got {dtype}")
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
-        raise ValueError(f"shard tokens must be 1-D, got shape {tokens.shape}")
+        raise UsageError(f"shard tokens must be 1-D, got shape {tokens.shape}")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > np.iinfo(dtype).max):
-        raise ValueError(f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit {dtype.name}")
+        raise UsageError(f"token ids {int(tokens.min())}..{int(tokens.max())} do not fit {dtype.name}")
     payload = tokens.astype(dtype, copy=False)
     digest = _sha256_array(payload).digest()
     header = HEADER.pack(MAGIC, FORMAT_VERSION, dtype.itemsize, payload.size, digest)

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from ..checks import UsageError
 from ..config import ConfigError, SourceConfig
 from .corpus import corpus_texts
 from .tokenizers import require
@@ -53,7 +54,7 @@ def files_sources(paths, flag: str = "--files") -> list[SourceConfig]:
 def _text_of(value, where: str):
     if value is None or isinstance(value, str):
         return value
-    raise ValueError(f"{where} is a {type(value).__name__}, expected a string")
+    raise UsageError(f"{where} is a {type(value).__name__}, expected a string")
 
 
 def _unreadable(path: Path, where: str, exc: OSError) -> ConfigError:
@@ -116,15 +117,15 @@ def list_files(src: SourceConfig, where: str) -> list[Path]:
     return files
 
 
-def _read_error(path: Path, exc: OSError) -> ValueError:
-    return ValueError(f"{path} cannot be read ({exc.strerror or exc}); make it readable or remove it from the source")
+def _read_error(path: Path, exc: OSError) -> UsageError:
+    return UsageError(f"{path} cannot be read ({exc.strerror or exc}); make it readable or remove it from the source")
 
 
 def _decode(raw: bytes, path: Path, where: str) -> str:
     try:
         return raw.decode("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where} is not valid UTF-8 text (byte {exc.start}: {exc.reason}); fibattn reads "
+        raise UsageError(f"{where} is not valid UTF-8 text (byte {exc.start}: {exc.reason}); fibattn reads "
                          f"UTF-8 text files only, convert it (e.g. iconv -t UTF-8)") from None
 
 
@@ -152,12 +153,12 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno} is not valid JSON: {exc}") from exc
+            raise UsageError(f"{path}:{lineno} is not valid JSON: {exc}") from exc
         except RecursionError:
-            raise ValueError(f"{path}:{lineno} is not valid JSON: nested too deeply") from None
+            raise UsageError(f"{path}:{lineno} is not valid JSON: nested too deeply") from None
         if not isinstance(row, dict) or field not in row:
             keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"{path}:{lineno} has no text_field {field!r} (has: {keys})")
+            raise UsageError(f"{path}:{lineno} has no text_field {field!r} (has: {keys})")
         yield _text_of(row[field], f"{path}:{lineno} field {field!r}")
 
 
@@ -169,45 +170,46 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     except OSError as exc:
         raise _read_error(path, exc) from None
     except Exception as exc:             # pyarrow raises its own types for a file that is not parquet
-        raise ValueError(f"{path} is not a readable parquet file: {' '.join(str(exc).split())}") from None
+        raise UsageError(f"{path} is not a readable parquet file: {' '.join(str(exc).split())}") from None
     if field not in names:
-        raise ValueError(f"{path} has no text_field column {field!r} (has: {', '.join(names)})")
+        raise UsageError(f"{path} has no text_field column {field!r} (has: {', '.join(names)})")
     try:
         for batch in pf.iter_batches(columns=[field], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 yield _text_of(value, f"{path} column {field!r}")
-    except (ValueError, ImportError):
+    except (UsageError, ImportError):         # ours, and a missing package; pyarrow's own ValueErrors are wrapped
         raise
     except Exception as exc:
-        raise ValueError(f"{path} cannot be read as parquet: {' '.join(str(exc).split())}") from None
+        raise UsageError(f"{path} cannot be read as parquet: {' '.join(str(exc).split())}") from None
 
 
-def _files_documents(src: SourceConfig, where: str) -> Iterator[str]:
+def _files_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]:
     for path in list_files(src, where):
         if path.suffix == ".txt":
-            yield from _read_txt(path)
+            docs = _read_txt(path)
         elif path.suffix == ".jsonl":
-            yield from _read_jsonl(path, src.text_field)
+            docs = _read_jsonl(path, src.text_field)
         else:
-            yield from _read_parquet(path, src.text_field)
+            docs = _read_parquet(path, src.text_field)
+        yield from ((str(path), doc) for doc in docs)
 
 
-def _hf_documents(src: SourceConfig, where: str) -> Iterator[str]:
+def _hf_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]:
     datasets = require("datasets", f"{where} (kind=hf)")
     try:
         ds = datasets.load_dataset(src.path, src.subset or None, split=src.split, streaming=True)
     except Exception as exc:  # the hub raises many types; name the source and keep the cause
-        raise ValueError(f"{where}: cannot load Hugging Face dataset {src.path!r} "
+        raise UsageError(f"{where}: cannot load Hugging Face dataset {src.path!r} "
                          f"(subset={src.subset or None!r}, split={src.split!r}): {exc}") from exc
     for i, row in enumerate(ds):
         if src.text_field not in row:
-            raise ValueError(f"{where}: row {i} of {src.path!r} has no text_field {src.text_field!r} "
+            raise UsageError(f"{where}: row {i} of {src.path!r} has no text_field {src.text_field!r} "
                              f"(has: {', '.join(sorted(row))})")
-        yield _text_of(row[src.text_field], f"{where}: row {i} field {src.text_field!r}")
+        yield f"{src.path} row {i}", _text_of(row[src.text_field], f"{where}: row {i} field {src.text_field!r}")
 
 
-def _bundled_documents(src: SourceConfig, where: str) -> Iterator[str]:
-    yield from corpus_texts()
+def _bundled_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]:
+    yield from (("the bundled corpus", text) for text in corpus_texts())
 
 
 _READERS = {"bundled": _bundled_documents, "files": _files_documents, "hf": _hf_documents}
@@ -224,11 +226,13 @@ def check_source(src: SourceConfig, where: str) -> None:
                           f"got {src.path!r}")
 
 
-def iter_documents(src: SourceConfig, where: str = "source") -> Iterator[str]:
-    """The non-empty documents of ``src`` in order, at most ``src.max_docs`` (0: all)."""
+def iter_documents(src: SourceConfig, where: str = "source", *, origin: bool = False) -> Iterator:
+    """The non-empty documents of ``src`` in order, at most ``src.max_docs`` (0: all); with ``origin``, as
+    ``(where it was read: the file, or the dataset's row, document)`` pairs."""
     check_source(src, where)
-    docs: Iterable = (d for d in _READERS[src.kind](src, where) if d)
-    return itertools.islice(docs, src.max_docs) if src.max_docs else iter(docs)
+    docs: Iterable = (pair for pair in _READERS[src.kind](src, where) if pair[1])
+    docs = itertools.islice(docs, src.max_docs) if src.max_docs else iter(docs)
+    return docs if origin else (doc for _, doc in docs)
 
 
 def describe_source(src: SourceConfig, where: str = "source", stamps: dict | None = None) -> dict:

@@ -23,9 +23,12 @@ from typing import Iterable, Iterator, Union
 
 import numpy as np
 
+from ..checks import UsageError
 from ..files import atomic_write_text
 
 TOKENIZER_FILE = "tokenizer.json"
+# an export's byte-for-byte copy of the run's own file (its tokenizer.json is transformers' form of it)
+EXPORTED_TOKENIZER_FILE = "fibattn_tokenizer.json"
 EOS_TOKEN = "<|endoftext|>"
 # end-of-document tokens of pretrained tokenizers (GPT-2 style, Llama 1/2, Llama 3, Gemma), in order of preference
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>")
@@ -61,7 +64,7 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-            raise ValueError(f"byte tokenizer ids must lie in [0, {self.vocab_size - 1}], "
+            raise UsageError(f"byte tokenizer ids must lie in [0, {self.vocab_size - 1}], "
                              f"got {int(arr.min())}..{int(arr.max())}")
         return arr[arr != self.eos_id].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
@@ -71,6 +74,48 @@ class ByteTokenizer:
 
     def save(self, path) -> None:
         atomic_write_text(path, self.to_json())
+
+
+# Encoding a document in one piece takes ~120 bytes per character when it is one run without whitespace (one
+# pre-token: a 30 MB line peaked at 3.6 GB). A longer document is encoded in pieces cut where the ByteLevel
+# pre-tokenizer cuts anyway -- at a single space or line break between two non-space characters -- so its ids
+# equal the whole document's; one without such a place within the limit (or whose tokenizer cuts elsewhere) is
+# refused. Pieces are encoded a few at a time, so a long document's encodings never all exist at once.
+MAX_ENCODE_CHARS = 1 << 20
+_GROUP_PIECES = 8
+
+
+class DocumentTooLong(UsageError):
+    """A document that cannot be encoded in bounded memory with ids equal to its whole encoding; ``index``: its
+    place in the batch."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def _cuts_at_spaces(tokenizer) -> bool:
+    """True when every cut at a lone space / line break between non-space characters is a cut of the
+    tokenizer's own pre-tokenization: no normalizer, the GPT-2 ByteLevel regex without a prefix space, no
+    post-processor that changes ids, only special added tokens (encoded as text, see ``encode_special_tokens``)."""
+    doc = json.loads(tokenizer.to_str())
+    pre, post = doc.get("pre_tokenizer") or {}, doc.get("post_processor") or {}
+    return (doc.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space") and post.get("type", "ByteLevel") == "ByteLevel"
+            and all(t.get("special") for t in doc.get("added_tokens") or []))
+
+
+def _safe_cut(text: str, lo: int, hi: int) -> int | None:
+    """The last ``p`` in ``(lo, hi)`` where ``text[p]`` is a lone space or line break between non-space
+    characters (``str.isspace`` counts more as space than the tokenizer's regex: a stricter choice)."""
+    best = None
+    for ch in " \n":
+        p = text.rfind(ch, lo + 1, hi)
+        while p > lo and (text[p - 1].isspace() or p + 1 >= len(text) or text[p + 1].isspace()):
+            p = text.rfind(ch, lo + 1, p)
+        if p > lo and (best is None or p > best):
+            best = p
+    return best
 
 
 class BPETokenizer:
@@ -85,9 +130,10 @@ class BPETokenizer:
         self._tok.encode_special_tokens = True      # literal "<|endoftext|>" in text is just text
         eos = next((tokenizer.token_to_id(t) for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
         if eos is None:
-            raise ValueError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}")
+            raise UsageError(f"the tokenizer has none of the end-of-document tokens {', '.join(EOS_CANDIDATES)}")
         self.eos_id = int(eos)
         self.vocab_size = int(tokenizer.get_vocab_size())
+        self._cuttable = None              # decided on the first document longer than MAX_ENCODE_CHARS
 
     @property
     def backend(self):
@@ -95,18 +141,46 @@ class BPETokenizer:
         return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self.encode_batch([text])[0].tolist()
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)   # fast: no offsets
-        encs = encode(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+        pieces = [self._pieces(t, i) for i, t in enumerate(texts)]
+        if all(len(p) == 1 for p in pieces):
+            return [np.asarray(e.ids, dtype=np.int64) for e in encode(texts, add_special_tokens=False)]
+        out = []
+        for parts in pieces:
+            ids = [np.asarray(e.ids, dtype=np.int64) for k in range(0, len(parts), _GROUP_PIECES)
+                   for e in encode(parts[k:k + _GROUP_PIECES], add_special_tokens=False)]
+            out.append(np.concatenate(ids))
+        return out
+
+    def _pieces(self, text: str, index: int) -> list[str]:
+        """``text`` cut into pieces of at most ``MAX_ENCODE_CHARS`` whose encodings join to the whole's."""
+        pieces, start = [], 0
+        if len(text) > MAX_ENCODE_CHARS and self._cuttable is None:
+            self._cuttable = _cuts_at_spaces(self._tok)
+        while len(text) - start > MAX_ENCODE_CHARS:
+            cut = _safe_cut(text, start, start + MAX_ENCODE_CHARS) if self._cuttable else None
+            if cut is None:
+                why = ("has no lone space or line break between non-space characters within "
+                       f"{MAX_ENCODE_CHARS:,} characters of character {start:,}" if self._cuttable else
+                       f"is longer than {MAX_ENCODE_CHARS:,} characters, and this tokenizer's pipeline (normalizer or "
+                       "pre-tokenizer) has no place to cut it that keeps its ids")
+                raise DocumentTooLong(f"a document of {len(text):,} characters {why} (the BPE encoding's limit "
+                                      f"fibattn.data.tokenizers.MAX_ENCODE_CHARS = {MAX_ENCODE_CHARS:,}: encoding "
+                                      f"it whole could take ~{120 * len(text) / 1e9:.1f} GB); split it into "
+                                      f"documents or lines, or use tokenizer=byte", index)
+            pieces.append(text[start:cut])
+            start = cut
+        pieces.append(text[start:] if start else text)
+        return pieces
 
     def decode(self, ids) -> str:
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"bpe tokenizer ids must lie in [0, {self.vocab_size - 1}], got {bad[0]}")
+            raise UsageError(f"bpe tokenizer ids must lie in [0, {self.vocab_size - 1}], got {bad[0]}")
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def to_json(self) -> str:
@@ -143,7 +217,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     A small corpus may yield fewer merges; the result's ``vocab_size`` is the real size.
     """
     if not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"data.vocab_size must be an integer >= 257 for tokenizer=bpe "
+        raise UsageError(f"data.vocab_size must be an integer >= 257 for tokenizer=bpe "
                          f"(256 byte symbols + end-of-document), got {vocab_size!r}")
     tk = require("tokenizers", "tokenizer=bpe")
     tok = tk.Tokenizer(tk.models.BPE())
@@ -157,6 +231,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
 
 def _resolve(path) -> Path:
     path = Path(path)
+    if path.is_dir() and (path / EXPORTED_TOKENIZER_FILE).is_file():
+        return path / EXPORTED_TOKENIZER_FILE
     return path / TOKENIZER_FILE if path.is_dir() else path
 
 
@@ -170,23 +246,31 @@ def load_tokenizer(path) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"no tokenizer at {file}")
     try:
-        obj = json.loads(file.read_bytes().decode("utf-8"))
+        data = file.read_bytes()
     except OSError as exc:
-        raise ValueError(f"tokenizer {file} cannot be read: {exc.strerror or exc}") from None
+        raise UsageError(f"tokenizer {file} cannot be read: {exc.strerror or exc}") from None
+    return parse_tokenizer(data, file)
+
+
+def parse_tokenizer(data: bytes, file) -> Tokenizer:
+    """The tokenizer of a ``tokenizer.json``'s bytes (``file`` names it in errors): what was hashed is what is
+    used."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file} is not a tokenizer JSON file: {exc}") from None
+        raise UsageError(f"{file} is not a tokenizer JSON file: {exc}") from None
     except RecursionError:
-        raise ValueError(f"{file} is not a tokenizer JSON file: nested too deeply") from None
+        raise UsageError(f"{file} is not a tokenizer JSON file: nested too deeply") from None
     if isinstance(obj, dict) and obj.get("fibattn_tokenizer") == "byte":
         if obj.get("vocab_size") != ByteTokenizer.vocab_size or obj.get("eos_id") != ByteTokenizer.eos_id:
-            raise ValueError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got "
+            raise UsageError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got "
                              f"vocab_size={obj.get('vocab_size')!r} eos_id={obj.get('eos_id')!r}")
         return ByteTokenizer()
     if isinstance(obj, dict) and "model" in obj:
         tk = require("tokenizers", f"loading the bpe tokenizer {file}")
         try:
-            return BPETokenizer(tk.Tokenizer.from_file(str(file)))
+            return BPETokenizer(tk.Tokenizer.from_str(data.decode("utf-8")))
         except Exception as exc:         # the tokenizers package raises its own exception types
-            raise ValueError(f"{file} is not a valid Hugging Face tokenizer.json: "
+            raise UsageError(f"{file} is not a valid Hugging Face tokenizer.json: "
                              f"{' '.join(str(exc).split())}") from None
-    raise ValueError(f"{file} is neither a fibattn byte tokenizer nor a Hugging Face tokenizer.json")
+    raise UsageError(f"{file} is neither a fibattn byte tokenizer nor a Hugging Face tokenizer.json")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import UsageError
 from ..files import atomic_write_text, sha256_file
 from .shards import ShardError, open_shard
 
@@ -76,7 +77,7 @@ def file_digest(path, known: list | None = None) -> tuple[str, list | None]:
     digest = sha256_file(path)
     after = path.stat()
     if [int(after.st_size), int(after.st_mtime_ns), int(after.st_ctime_ns), int(after.st_ino)] != now:
-        raise ValueError(f"{path} changed while it was being read; run again once nothing writes to it")
+        raise UsageError(f"{path} changed while it was being read; run again once nothing writes to it")
     if _racy(after, started):
         return digest, None
     _digests[key] = [*now, digest]

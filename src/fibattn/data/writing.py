@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import UsageError
 from ..config import DataConfig
 from .shards import write_shard
 
@@ -101,13 +102,15 @@ class SourceWriter:
             self.sink.add(flat[:cut])
             self.tail, self.tail_n = [flat[cut:]], self.keep
 
-    def finish(self, where: str) -> dict:
+    def finish(self, where: str, path: str = "") -> dict:
+        """``path``: the source's file or folder, named in the errors (the user gave it, not ``where``)."""
         n_val = min(math.ceil(self.cfg.val_fraction * self.total), self.cfg.val_tokens_max)
+        given = f" ({path})" if path else ""
         if self.total == 0:
-            raise ValueError(f"{where} ({self.name}) produced no tokens: the source is empty")
+            raise UsageError(f"{where} ({self.name}) produced no tokens: the source{given} is empty")
         if self.total - n_val < 1:
-            raise ValueError(f"{where} ({self.name}) has only {self.total} tokens, too few to hold out a "
-                             f"validation split and still train")
+            raise UsageError(f"{where} ({self.name}) has only {self.total} tokens, too few to hold out a "
+                             f"validation split and still train; add text to{given or ' the source'}")
         flat = np.concatenate(self.tail) if self.tail else np.zeros(0, self.dtype)
         self.sink.add(flat[:flat.size - n_val])
         self.sink.close()

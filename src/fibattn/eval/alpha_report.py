@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checks import UsageError
 from ..files import atomic_write_text
 
 log = logging.getLogger("fibattn")
@@ -36,11 +37,11 @@ class AlphaReport:
     def __post_init__(self):
         n = len(self.start)
         if n < 1 or len(self.end) != n:
-            raise ValueError(f"alpha report needs one start and one end value per layer, got {len(self.start)} "
+            raise UsageError(f"alpha report needs one start and one end value per layer, got {len(self.start)} "
                              f"start and {len(self.end)} end values")
         for step, values in self.history:
             if len(values) != n:
-                raise ValueError(f"alpha history at step {step} has {len(values)} layers, expected {n}")
+                raise UsageError(f"alpha history at step {step} has {len(values)} layers, expected {n}")
         self.history = sorted((int(s), [float(a) for a in v]) for s, v in self.history)
 
     @property
@@ -118,7 +119,7 @@ def history_from_metrics(path) -> list:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"{path}: line {n} is not JSON") from None
+            raise UsageError(f"{path}: line {n} is not JSON") from None
         if isinstance(rec, dict) and "alphas" in rec and "step" in rec:
             out[int(rec["step"])] = [float(a) for a in rec["alphas"]]
     return sorted(out.items())
@@ -145,7 +146,7 @@ def report_for_run(run_dir, model, cfg, *, db_path=None, end_step: int | None = 
     from ..model.attention import config_layer_alphas
     from ..storage.results import run_key
     if not is_learned(cfg.model):
-        raise ValueError(f"the alpha report needs a learned schedule (model.schedule=learned), "
+        raise UsageError(f"the alpha report needs a learned schedule (model.schedule=learned), "
                          f"this run has model.schedule={cfg.model.schedule!r}")
     hist, source = load_history(run_dir, db_path)
     return AlphaReport(run=run_key(run_dir), start=config_layer_alphas(cfg.model), end=list(model.alphas()),

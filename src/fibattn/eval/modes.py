@@ -8,7 +8,8 @@ length). The sparse ``reach`` (method.md §1) is orthogonal to RoPE scaling and 
 The recorded ``mode`` of a result (:func:`mode_name`; eval.json and the results DB key on it):
 ``study`` / ``train`` (the reach, no scaling), ``dense-window``, ``<reach>+<kind>`` (scaling at the
 default factor, evaluation length / training length) and ``<reach>+<kind>@<factor>`` (a fixed
-factor), e.g. ``study+yarn``, ``train+ntk@4``. Results recorded before scaling existed keep their names.
+factor), e.g. ``study+yarn``, ``train+ntk@4``; ``+docs`` ends the name of a document-masked evaluation.
+Results recorded before scaling existed keep their names.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 from ..model.attention import REACH_MODES
 from ..model.rope import SCALING_KINDS, RopeScaling, check_factor, make_scaling, rope_scaling_mode
 
@@ -36,11 +37,11 @@ def resolve_mode(mode=None, *, rope_scaling=None, dense_window: bool = False) ->
     picks = []
     if mode is not None:
         if mode not in EVAL_MODES:
-            raise ValueError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+            raise UsageError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
         picks.append(("--mode", mode))
     if rope_scaling is not None:
         if rope_scaling not in SCALING_KINDS:
-            raise ValueError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {rope_scaling!r}")
+            raise UsageError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {rope_scaling!r}")
         picks.append(("--rope-scaling", rope_scaling))
     if dense_window:
         picks.append(("--dense-window", "window"))
@@ -49,20 +50,22 @@ def resolve_mode(mode=None, *, rope_scaling=None, dense_window: bool = False) ->
         chosen.discard("none")                   # no RoPE scaling goes with the window mode
     if len(chosen) > 1:
         said = ", ".join(f"{flag} {m}" if flag != "--dense-window" else flag for flag, m in picks)
-        raise ValueError(f"evaluation mode given twice with different values ({said}); choose one of "
+        raise UsageError(f"evaluation mode given twice with different values ({said}); choose one of "
                          f"{', '.join(EVAL_MODES)} (RoPE scaling and the dense window do not combine)")
     return chosen.pop() if chosen else "none"
 
 
-def mode_name(mode: str, reach: str, factor=None) -> str:
-    """The recorded name of an evaluation in ``mode`` with ``reach`` (and a fixed ``factor``, if any)."""
+def mode_name(mode: str, reach: str, factor=None, documents: bool = False) -> str:
+    """The recorded name of an evaluation in ``mode`` with ``reach`` (and a fixed ``factor``, if any);
+    ``documents`` (document masking, method.md §8) adds ``+docs``."""
     if mode not in EVAL_MODES:
-        raise ValueError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+        raise UsageError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+    docs = "+docs" if documents else ""
     if mode == "window":
-        return WINDOW_MODE
+        return WINDOW_MODE + docs
     if mode == "none":
-        return reach
-    return f"{reach}+{mode}" + ("" if factor is None else f"@{check_factor(factor, '--rope-factor'):g}")
+        return reach + docs
+    return f"{reach}+{mode}" + ("" if factor is None else f"@{check_factor(factor, '--rope-factor'):g}") + docs
 
 
 def _layers(model) -> list:
@@ -73,11 +76,11 @@ def _layers(model) -> list:
 def reach_mode(model, reach: str):
     """Set every attention layer's ``reach`` for the duration (``study`` | ``train``), then restore."""
     if reach not in REACH_MODES:
-        raise ValueError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
+        raise UsageError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
     saved = [(layer, layer.reach) for layer in _layers(model)]
     for layer, _ in saved:
         if reach == "train" and layer.reach_len is None:
-            raise ValueError("reach='train' needs the layers' training length (reach_len); this model has none")
+            raise UsageError("reach='train' needs the layers' training length (reach_len); this model has none")
         layer.reach = reach
     try:
         yield
@@ -86,11 +89,13 @@ def reach_mode(model, reach: str):
             layer.reach = old
 
 
-def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: int) -> torch.Tensor:
-    """Causal attention where query ``i`` sees keys ``i-band+1 .. i``; q ``(B,H,T,Dh)``, k/v ``(B,Hkv,T,Dh)``."""
+def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: int,
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention where query ``i`` sees keys ``i-band+1 .. i`` (of its own document, with
+    ``document_ids``); q ``(B,H,T,Dh)``, k/v ``(B,Hkv,T,Dh)``."""
     T = q.shape[2]
     gqa = q.shape[1] != k.shape[1]
-    if T <= band:
+    if T <= band and document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     out = torch.empty_like(q)
     for s in range(0, T, band):
@@ -98,6 +103,8 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: in
         ks = max(0, s - band + 1)
         d = torch.arange(s, e, device=q.device)[:, None] - torch.arange(ks, e, device=q.device)[None, :]
         mask = (d >= 0) & (d < band)
+        if document_ids is not None:
+            mask = (mask & (document_ids[:, s:e, None] == document_ids[:, None, ks:e]))[:, None]
         out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e],
                                                         attn_mask=mask, enable_gqa=gqa)
     return out
@@ -109,10 +116,10 @@ def dense_window_mode(model, band: int):
     check_int("dense window", band, 1)
     layers = _layers(model)
     if not layers or any(layer.attention != "dense" for layer in layers):
-        raise ValueError("--mode window (--dense-window) needs a dense model (model.attention=dense); this one is "
+        raise UsageError("--mode window (--dense-window) needs a dense model (model.attention=dense); this one is "
                          "sparse or has no attention layers")
     for layer in layers:
-        layer.attend = lambda q, k, v: banded_attention(q, k, v, band)
+        layer.attend = lambda q, k, v, document_ids=None: banded_attention(q, k, v, band, document_ids)
     try:
         yield
     finally:

@@ -44,17 +44,19 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 from ..config import ModelConfig
 from ..ops.backends import check_model_runs
+from ..ops.documents import document_ids_from_eos
+from ..parallel import sharded
 from ..validation import check_sizes_fit
+from .records import EvalRecord, EvalReport
 from .modes import (REACH_MODES, SCALING_KINDS, WINDOW_MODE, banded_attention, check_factor, dense_window_mode,
                     mode_name, reach_mode, resolve_mode, rope_scaling_mode)
 
@@ -83,13 +85,13 @@ def check_lengths(lengths) -> list[int]:
     if isinstance(lengths, (int, np.integer)) and not isinstance(lengths, bool):
         lengths = [lengths]
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
-        raise ValueError(f"lengths (--lengths) must be a list of integers >= 1, got {lengths!r}")
+        raise UsageError(f"lengths (--lengths) must be a list of integers >= 1, got {lengths!r}")
     lengths = list(lengths)
     if not lengths:
-        raise ValueError("lengths (--lengths) must hold at least one evaluation length (integers >= 1), got []")
+        raise UsageError("lengths (--lengths) must hold at least one evaluation length (integers >= 1), got []")
     for n in lengths:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"lengths (--lengths): each evaluation length must be an integer >= 1, got {n!r} "
+            raise UsageError(f"lengths (--lengths): each evaluation length must be an integer >= 1, got {n!r} "
                              f"in {lengths!r}")
     return sorted({int(n) for n in lengths})
 
@@ -101,7 +103,7 @@ def scored_budget(available: int, tokens: int, lengths: Sequence[int], name: str
     n = (min(tokens, available - 1) // longest) * longest
     if n < longest:
         fits = max(min(tokens, available - 1), 0)
-        raise ValueError(f"validation split {name!r} has {available} tokens and the budget is tokens={tokens}; "
+        raise UsageError(f"validation split {name!r} has {available} tokens and the budget is tokens={tokens}; "
                          f"evaluating at lengths (--lengths) up to {longest} needs at least {longest + 1} tokens in "
                          f"the split and tokens >= {longest}; allowed here: lengths up to {fits}")
     return n
@@ -117,7 +119,7 @@ def window_plan(n_scored: int, length: int) -> list[tuple[int, int]]:
     length = check_int("length (one of lengths)", length, 1)
     n_scored = check_int("n_scored", n_scored, 0)
     if length > n_scored:
-        raise ValueError(f"lengths (--lengths): length {length} is longer than the {n_scored} scored targets; "
+        raise UsageError(f"lengths (--lengths): length {length} is longer than the {n_scored} scored targets; "
                          f"allowed: lengths up to {n_scored}")
     full = n_scored // length * length
     plan = [(s, 0) for s in range(0, full, length)]
@@ -139,7 +141,7 @@ def scored_target_positions(n_scored: int, length: int) -> np.ndarray:
 def bits_per_byte(total_nll: float, n_bytes: int) -> float:
     """``sum NLL (nats) / (ln 2 * bytes)``."""
     if n_bytes <= 0:
-        raise ValueError(f"bits per byte needs a positive byte count, got {n_bytes}")
+        raise UsageError(f"bits per byte needs a positive byte count, got {n_bytes}")
     return total_nll / (math.log(2) * n_bytes)
 
 
@@ -169,10 +171,13 @@ def safe_exp(x: float) -> float:
     return math.exp(x) if x < 700 else float("inf")
 
 
-def token_nll(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL ``(B, L)`` in float32; a FibLM's head runs in chunks to bound logits memory."""
+def token_nll(model, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None,
+              offset: int = 0) -> torch.Tensor:
+    """Per-token NLL ``(B, L)`` in float32; a FibLM's head runs in chunks to bound logits memory.
+    ``document_ids``: packed documents scored each on its own; ``offset``: the global position of
+    ``x[:, 0]`` (a context-parallel chunk) — a FibLM only."""
     if hasattr(model, "hidden") and hasattr(model, "embed"):
-        h = model.hidden(x)
+        h = model.hidden(x, offset, document_ids) if document_ids is not None or offset else model.hidden(x)
         weight = getattr(model, "output_weight", model.embed.weight)
         chunk = max(1, _LOGIT_ELEMS // max(1, x.shape[0] * weight.shape[0]))
         parts = []
@@ -180,8 +185,21 @@ def token_nll(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             logits = F.linear(h[:, c:c + chunk], weight).float()
             parts.append(F.cross_entropy(logits.transpose(1, 2), y[:, c:c + chunk], reduction="none"))
         return torch.cat(parts, dim=1)
+    if document_ids is not None or offset:
+        raise UsageError("document masking and context parallelism need a fibattn model (FibLM), got "
+                         + type(model).__name__)
     logits = model(x)
     return F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none")
+
+
+def _window_nll(model, x, y, document_ids, context) -> torch.Tensor:
+    """:func:`token_nll` of whole windows; with a context group each rank scores its chunk and every
+    rank gets the whole window's values (a window that does not split is scored whole)."""
+    if context is None or x.shape[1] % context.size:
+        return token_nll(model, x, y, document_ids)
+    shard = context.shard(x.shape[1], document_ids)
+    with sharded(model, shard):
+        return context.gather(token_nll(model, shard.local(x), shard.local(y), offset=shard.start))
 
 
 def _model_device(model) -> torch.device:
@@ -191,100 +209,32 @@ def _model_device(model) -> torch.device:
 
 def _autocast(precision: str, device: torch.device):
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16 here, got {precision!r}")
+        raise UsageError(f"precision must be fp32 or bf16 here, got {precision!r}")
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
-# ----------------------------------------------------------------------------- results
-@dataclass
-class EvalRecord:
-    """One (dataset, length, mode) result. ``mode``: see :func:`fibattn.eval.modes.mode_name`;
-    ``rope_factor``: the RoPE scaling factor used at this length (1.0: unscaled here)."""
-
-    dataset: str
-    length: int
-    reach: str
-    mode: str
-    tokens: int
-    windows: int
-    nll: float
-    ppl: float
-    bpb: float | None
-    bytes: int | None
-    dense_window: int | None
-    train_len: int | None
-    scored_sha256: str
-    buckets: list = field(default_factory=list)
-    seconds: float = 0.0
-    rope_scaling: str | None = None
-    rope_factor: float | None = None
-
-    def key(self) -> tuple:
-        return (self.dataset, self.length, self.mode)
-
-
-@dataclass
-class EvalReport:
-    records: list = field(default_factory=list)
-    datasets: dict = field(default_factory=dict)     # name -> {tokens, bytes, sha256, first, last}
-    settings: dict = field(default_factory=dict)
-
-    def record(self, dataset: str, length: int) -> EvalRecord:
-        for r in self.records:
-            if r.dataset == dataset and r.length == length:
-                return r
-        raise KeyError(f"no result for dataset {dataset!r} at length {length}")
-
-    def fairness_lines(self) -> list[str]:
-        all_lengths = list(self.settings.get("lengths", []))
-        lengths = ", ".join(str(n) for n in all_lengths)
-        lines = []
-        for name, d in self.datasets.items():
-            tails = [n for n in all_lengths if d["tokens"] % n]
-            how = "every window position is scored" if not tails else (
-                f"every window position is scored, except that at length {', '.join(str(n) for n in tails)} "
-                f"(not dividing {d['tokens']}) the last {d['tokens']} mod L targets are scored by one more window "
-                f"ending at target {d['last']}, its earlier positions context only")
-            lines.append(f"{name}: scored the same {d['tokens']} target tokens (split positions {d['first']}.."
-                         f"{d['last']}, sha256 {d['sha256'][:12]}) at every length ({lengths}); {how}")
-        return lines
-
-    def table(self) -> str:
-        scaled = any(r.rope_scaling for r in self.records)        # a RoPE column only when one was scaled
-        rope_head = " RoPE scaling |" if scaled else ""
-        rows = ["| dataset | length | mode |" + rope_head + " tokens | windows | ppl | bpb |",
-                "|---|---|---|" + ("---|" if scaled else "") + "---|---|---|---|"]
-        for r in self.records:
-            bpb = "—" if r.bpb is None else f"{r.bpb:.4f}"
-            rope = f" {r.rope_scaling or 'none'} ×{r.rope_factor or 1:g} |" if scaled else ""
-            rows.append(f"| {r.dataset} | {r.length} | {r.mode} |{rope} {r.tokens} | {r.windows} | {r.ppl:.3f} | "
-                        f"{bpb} |")
-        return "\n".join(rows)
-
-    def to_dict(self) -> dict:
-        return {"settings": self.settings, "datasets": self.datasets, "results": [asdict(r) for r in self.records]}
-
-
 # ----------------------------------------------------------------------------- the evaluation
 def _check_arrays(token_arrays) -> dict:
     if not isinstance(token_arrays, dict) or not token_arrays:
-        raise ValueError("token_arrays must be a non-empty dict {split name: 1-D token array}")
+        raise UsageError("token_arrays must be a non-empty dict {split name: 1-D token array}")
     out = {}
     for name, arr in token_arrays.items():
         a = np.asarray(arr)
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(f"validation split {name!r} must be a 1-D integer token array, got "
+            raise UsageError(f"validation split {name!r} must be a 1-D integer token array, got "
                              f"shape {a.shape} dtype {a.dtype}")
         out[name] = a
     return out
 
 
 def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, precision: str,
-                  device: torch.device) -> tuple[np.ndarray, np.ndarray, int]:
+                  device: torch.device, eos: int | None = None, context=None) -> tuple[np.ndarray, np.ndarray, int]:
     """Summed NLL and scored count per window position ``(L,)``, and the number of windows,
-    over the windows of :func:`window_plan`."""
+    over the windows of :func:`window_plan`; ``eos``: documents end at it and are scored each on
+    its own (document masking), else None; ``context``: a :class:`fibattn.parallel.ContextGroup`
+    sharing each window (method.md §9)."""
     pos_sum = np.zeros(length, dtype=np.float64)
     pos_count = np.zeros(length, dtype=np.int64)
     plan = window_plan(n, length)
@@ -293,7 +243,7 @@ def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, 
         x = torch.from_numpy(np.stack([arr[s:s + length] for s, _ in chunk]).astype(np.int64)).to(device)
         y = torch.from_numpy(np.stack([arr[s + 1:s + length + 1] for s, _ in chunk]).astype(np.int64)).to(device)
         with _autocast(precision, device):
-            nll = token_nll(model, x, y)
+            nll = _window_nll(model, x, y, None if eos is None else document_ids_from_eos(x, eos), context)
         if not torch.isfinite(nll).all():
             raise FloatingPointError(f"non-finite loss at length {length}, windows starting {chunk[0][0]}.."
                                      f"{chunk[-1][0]}")
@@ -306,7 +256,8 @@ def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, 
 
 def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach: str = "study",
              batch_size: int = 4, dense_window: bool = False, tokenizer=None, buckets: int = 32,
-             precision: str = "fp32", mode: str | None = None, rope_factor: float | None = None) -> EvalReport:
+             precision: str = "fp32", mode: str | None = None, rope_factor: float | None = None,
+             document_eos: int | None = None, context=None) -> EvalReport:
     """Perplexity (and bits per byte with a ``tokenizer``) of ``model`` on each split at each length.
 
     ``model``: a :class:`fibattn.model.lm.FibLM`, or any module mapping ``(B, L)`` ids to
@@ -314,6 +265,10 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
     device; the model's training flag and layer settings are restored afterwards.
     ``mode``: ``none | linear | ntk | yarn | window`` (``dense_window=True`` is ``window``);
     ``rope_factor`` fixes the RoPE scaling factor (default: ``max(1, L / training length)``).
+    ``document_eos``: document masking — each window's documents, ended by this token, are scored
+    each on its own (method.md §8); the mode name then ends in ``+docs``, so masked and unmasked
+    results are never mixed. ``context``: a :class:`fibattn.parallel.ContextGroup` whose ranks share
+    each window (each computes its chunk's activations, method.md §9), or None.
     """
     lengths = check_lengths(lengths)
     tokens = check_int("tokens", tokens, 1)
@@ -324,34 +279,42 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
     train_len = getattr(cfg, "seq_len", None)
     limit = getattr(cfg, "max_seq_len", None)
     if limit is not None and max(lengths) > limit:
-        raise ValueError(f"lengths (--lengths): evaluation length {max(lengths)} exceeds model.max_seq_len={limit}; "
+        raise UsageError(f"lengths (--lengths): evaluation length {max(lengths)} exceeds model.max_seq_len={limit}; "
                          f"allowed: lengths up to {limit}")
     kind = resolve_mode(mode, dense_window=dense_window)
     dense_window = kind == "window"
     scaling = kind if kind in SCALING_KINDS[1:] else None
     if rope_factor is not None and scaling is None:
-        raise ValueError(f"rope_factor (--rope-factor) applies to the RoPE scaling modes "
+        raise UsageError(f"rope_factor (--rope-factor) applies to the RoPE scaling modes "
                          f"({', '.join(SCALING_KINDS[1:])}), not to mode {kind!r}; got {rope_factor!r}")
     if rope_factor is not None:
         rope_factor = check_factor(rope_factor, "rope_factor (--rope-factor)")
     if dense_window and train_len is None:
-        raise ValueError("dense_window needs a model with cfg.seq_len (the training length)")
+        raise UsageError("dense_window needs a model with cfg.seq_len (the training length)")
     if scaling and train_len is None:
-        raise ValueError(f"mode {scaling!r} needs a model with cfg.seq_len (the training length)")
+        raise UsageError(f"mode {scaling!r} needs a model with cfg.seq_len (the training length)")
     device = _model_device(model)
     if isinstance(cfg, ModelConfig):
         check_model_runs(cfg, device, grad=False)         # a backend that cannot run, before any scoring
     if hasattr(cfg, "vocab_size") and hasattr(cfg, "d_model"):
         # per scored position at least its float32 logits and a few hidden states; batches are capped by the budget
         per_token = 4 * (cfg.vocab_size + 4 * cfg.d_model)
-        check_sizes_fit("lengths (--lengths)", lengths, lambda n: max(1, min(batch_size, tokens // n)) * n * per_token,
+        share = context.size if context is not None else 1           # each rank holds its chunk's activations
+        check_sizes_fit("lengths (--lengths)", lengths,
+                        lambda n: max(1, min(batch_size, tokens // n)) * n * per_token // share,
                         f"a batch of up to {batch_size} windows (--batch-size) with their logits", device)
+    if document_eos is not None:
+        document_eos = check_int("document_eos", document_eos, 0)
+    if context is not None and dense_window:
+        raise UsageError("--mode window is not available under context parallelism (--context-parallel)")
     report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach,
-                                  "mode": mode_name(kind, reach, rope_factor), "eval_mode": kind,
+                                  "mode": mode_name(kind, reach, rope_factor, document_eos is not None),
+                                  "eval_mode": kind,
+                                  "document_masking": document_eos is not None, "document_eos": document_eos,
                                   "rope_scaling": scaling, "rope_factor": rope_factor,
                                   "dense_window": train_len if dense_window else None, "batch_size": batch_size,
                                   "buckets": buckets, "precision": precision, "device": str(device),
-                                  "train_len": train_len})
+                                  "train_len": train_len, "context_parallel": context.size if context else 1})
     if scaling and any(getattr(m, "attention", None) == "sparse" for m in model.modules()):
         report.settings["scaling_note"] = (f"RoPE scaling {scaling} on a sparse model: the angles of the attended "
                                            f"distances change (method.md §7)")
@@ -362,14 +325,15 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
         with torch.inference_mode(), reach_mode(model, reach), window:
             for name, arr in arrays.items():
                 _evaluate_split(model, report, name, arr, lengths, tokens, batch_size, tokenizer, buckets,
-                                precision, device)
+                                precision, device, context)
     finally:
         model.train(was_training)
     return report
 
 
 def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengths: list[int], tokens: int,
-                    batch_size: int, tokenizer, buckets: int, precision: str, device: torch.device) -> None:
+                    batch_size: int, tokenizer, buckets: int, precision: str, device: torch.device,
+                    context=None) -> None:
     s = report.settings
     n = scored_budget(len(arr), tokens, lengths, name)
     targets = arr[1:n + 1]
@@ -380,7 +344,8 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
         t0 = time.perf_counter()
         with rope_scaling_mode(model, s["rope_scaling"] or "none", s["rope_factor"], length=length,
                                original_len=s["train_len"]) as sc:
-            pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device)
+            pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device,
+                                                        s["document_eos"], context)
         if int(pos_count.sum()) != n:                                  # each target once, at every length
             raise RuntimeError(f"internal error: length {length} scored {int(pos_count.sum())} targets, not {n}")
         total = float(pos_sum.sum())
@@ -391,7 +356,8 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
                          dense_window=s["dense_window"], train_len=s["train_len"], scored_sha256=sha,
                          buckets=position_buckets(pos_sum, pos_count, buckets),
                          seconds=round(time.perf_counter() - t0, 3), rope_scaling=s["rope_scaling"],
-                         rope_factor=(sc.factor if sc else 1.0) if s["rope_scaling"] else None)
+                         rope_factor=(sc.factor if sc else 1.0) if s["rope_scaling"] else None,
+                         document_masking=s["document_masking"])
         report.records.append(rec)
         log.info("fibattn eval: %s @ %d (%s): ppl %.3f over %d tokens in %.1fs", name, length, rec.mode, rec.ppl, n,
                  rec.seconds)

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 
+from ..checks import UsageError, check_int
 from . import perplexity as E
 from .modes import SCALING_KINDS, check_factor, resolve_mode
 from ..devices import resolve_device
+from ..data.loader import masking_eos
 from ..files import atomic_write_text, check_creatable, naming_os_errors
 from ..storage.runs import EVAL_JSON, read_eval_doc
 
@@ -38,7 +40,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         E._log_once("fibattn eval: --precision auto -> %s on %s", chosen, device.type)
         return chosen
     if precision not in ("fp32", "bf16"):
-        raise ValueError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
+        raise UsageError(f"--precision must be auto, fp32 or bf16, got {precision!r}")
     return precision
 
 
@@ -48,7 +50,7 @@ def run_folder(path) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"run folder {p} does not exist")
     if not p.is_dir():
-        raise ValueError(f"run {p} is not a folder")
+        raise UsageError(f"run {p} is not a folder")
     if p.parent.name == "checkpoints" and (p / "meta.json").is_file():
         return p.parent.parent
     return p
@@ -72,7 +74,7 @@ def pick_datasets(names, available: list[str]) -> list[str]:
         return list(available)
     bad = [n for n in names if n not in available]
     if bad:
-        raise ValueError(f"unknown dataset {bad[0]!r} for --datasets (validation splits: {', '.join(available)})")
+        raise UsageError(f"unknown dataset {bad[0]!r} for --datasets (validation splits: {', '.join(available)})")
     return list(dict.fromkeys(names))
 
 
@@ -81,11 +83,11 @@ def read_json_target(path) -> dict | None:
     """The eval document already at ``path`` (validated; None when absent), or a ValueError naming it."""
     path = Path(path)
     if path.exists() and not path.is_file():
-        raise ValueError(f"{path} exists and is not a file; pass --json OUT to write the results elsewhere")
+        raise UsageError(f"{path} exists and is not a file; pass --json OUT to write the results elsewhere")
     try:
         return read_eval_doc(path)
     except ValueError as exc:
-        raise ValueError(f"{exc}; move it away or pass --json OUT") from None
+        raise UsageError(f"{exc}; move it away or pass --json OUT") from None
 
 
 def merge_json(path, run: str, step, report: E.EvalReport, extra: dict | None = None) -> dict:
@@ -147,7 +149,8 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
                  dense_window: bool = False, batch_size=None, device: str | None = None, precision: str = "auto",
                  data=None, json_out=None, db: str = "", plot: bool = True, buckets: int = 32,
                  alpha_report: bool = True, mode: str | None = None, rope_scaling: str | None = None,
-                 rope_factor: float | None = None) -> E.EvalReport:
+                 rope_factor: float | None = None, document_masking: bool | None = None,
+                 context_parallel: int = 1) -> E.EvalReport:
     """Evaluate a run folder's checkpoint; settings default to the run's ``eval`` config.
 
     ``mode``: ``none | linear | ntk | yarn | window`` (:mod:`fibattn.eval.modes`); ``rope_scaling``
@@ -156,8 +159,23 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
 
     ``db``: ``""`` (the run's results DB), a path, or ``"off"``. ``data``: a prepared
     data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
-    ``auto | cpu | cuda | cuda:N`` (default: the run's ``train.device``).
+    ``auto | cpu | cuda | cuda:N`` (default: the run's ``train.device``). ``document_masking``
+    (default: the run's ``eval.document_masking``): score each document of a window on its own.
+    ``context_parallel``: under torchrun, this many processes share each window (method.md §9); the
+    first one writes the results.
     """
+    from ..parallel.context import joined
+    check_int("--context-parallel", context_parallel, 1)
+    dev = resolve_device(device) if device is not None else None      # a bad --device fails before joining
+    with joined(context_parallel, device=dev) as context:
+        return _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, dense_window, batch_size, device,
+                             precision, data, json_out, db, plot, buckets, alpha_report, mode, rope_scaling,
+                             rope_factor, document_masking, context)
+
+
+def _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, dense_window, batch_size, device, precision,
+                  data, json_out, db, plot, buckets, alpha_report, mode, rope_scaling, rope_factor, document_masking,
+                  context) -> E.EvalReport:
     from . import alpha_report as A
     from .. import plots
     from ..storage.checkpoint import Checkpoint
@@ -168,41 +186,48 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     if lengths is not None:
         E.check_lengths(lengths)
     if reach is not None and reach not in E.REACH_MODES:
-        raise ValueError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
+        raise UsageError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
     kind = resolve_mode(mode, rope_scaling=rope_scaling, dense_window=dense_window)     # bad modes fail first
     if rope_factor is not None:
         check_factor(rope_factor, "--rope-factor")
         if kind not in SCALING_KINDS[1:]:
-            raise ValueError(f"--rope-factor applies to the RoPE scaling modes ({', '.join(SCALING_KINDS[1:])}), "
+            raise UsageError(f"--rope-factor applies to the RoPE scaling modes ({', '.join(SCALING_KINDS[1:])}), "
                              f"not to mode {kind!r}; got {rope_factor!r}")
     if device is not None:
         resolve_device(device)                                   # a bad --device fails before loading
     if is_export(folder):
-        model, cfg, tokenizer, ck_step, ckpt = _load_export(folder, step, data)
+        model, cfg, tokenizer, ck_step, tok_file = _load_export(folder, step, data)
     else:
         ckpt = find_checkpoint(run_dir, step)                    # verified once: this folder is what is evaluated
         model, cfg, tokenizer = load_run(ckpt, device="cpu")
-        ck_step = Checkpoint.open(ckpt).step
+        ck_step, tok_file = Checkpoint.open(ckpt).step, ckpt / "tokenizer.json"
     json_path = Path(json_out) if json_out else folder / EVAL_JSON
-    check_creatable(json_path, "--json" if json_out else "the run's eval.json", "file")
-    read_json_target(json_path)                                  # a damaged eval.json fails before the work
+    writer = context is None or context.rank == 0                # one process of a context group writes
+    if writer:
+        check_creatable(json_path, "--json" if json_out else "the run's eval.json", "file")
+        read_json_target(json_path)                              # a damaged eval.json fails before the work
     db_path = _db_path(db, folder, cfg)
-    if db_path is not None:
+    if db_path is not None and writer:
         check_db(db_path)                                        # so does a corrupted or read-only database
     dev = resolve_device(device if device is not None else cfg.train.device)
     prec = resolve_precision(precision, dev)
     model.to(dev)
     ev = cfg.eval
     td = open_data(data, cfg)
-    _check_data_matches(td, cfg, ckpt)
+    _check_data_matches(td, cfg, tok_file)
     names = pick_datasets(datasets if datasets is not None else ev.datasets, list(td.val_names))
     report = E.evaluate(model, {n: td.val_tokens(n) for n in names}, lengths or ev.lengths,
                         tokens=tokens if tokens is not None else ev.tokens, reach=reach or ev.reach,
                         batch_size=batch_size if batch_size is not None else ev.batch_size,
                         mode=kind, rope_factor=rope_factor, tokenizer=tokenizer or getattr(td, "tokenizer", None),
-                        buckets=buckets, precision=prec)
+                        buckets=buckets, precision=prec,
+                        document_eos=masking_eos(ev.document_masking if document_masking is None else document_masking,
+                                                 td, "eval.document_masking (--document-masking)"),
+                        context=context)
     run = run_key(folder)
     report.settings.update(run=run, step=ck_step, run_dir=str(folder))
+    if not writer:
+        return report
     extra = {}
     if alpha_report and A.is_learned(cfg.model) and not is_export(folder):
         ar = A.report_for_run(folder, model, cfg, db_path=_db_path(db, folder, cfg), end_step=ck_step)
@@ -235,9 +260,9 @@ def _load_export(folder: Path, step, data):
     from ..storage.pretrained import ExportError, load_pretrained
     from ..validation import validate_eval
     if step != "latest":
-        raise ValueError(f"{folder} is an export folder (one fixed step); --step must be 'latest', got {step!r}")
+        raise UsageError(f"{folder} is an export folder (one fixed step); --step must be 'latest', got {step!r}")
     if data is None:
-        raise ValueError(f"{folder} is an export, which records no data folder: pass --data DIR (a folder from "
+        raise UsageError(f"{folder} is an export, which records no data folder: pass --data DIR (a folder from "
                          f"`fibattn prepare` with the export's tokenizer)")
     bundle = load_pretrained(folder)
     cfg = RunConfig(name=folder.name, model=bundle.model_config)
@@ -253,19 +278,21 @@ def _load_export(folder: Path, step, data):
                               f"({exc})") from None
     cfg.train.results_db, cfg.train.device = "off", "auto"
     source_step = (bundle.meta.get("source") or {}).get("step")
-    return bundle.model, cfg, bundle.tokenizer, source_step, folder
+    # the run's own tokenizer file (exports before fibattn_tokenizer.json named it tokenizer.json)
+    tok_file = folder / (bundle.meta.get("tokenizer") or "tokenizer.json")
+    return bundle.model, cfg, bundle.tokenizer, source_step, tok_file
 
 
-def _check_data_matches(td, cfg, ckpt: Path) -> None:
-    """The validation data must use the run's tokenizer (checkpoint copy) and fit its vocabulary."""
+def _check_data_matches(td, cfg, ck_tok: Path) -> None:
+    """The validation data must use the run's tokenizer (``ck_tok``: the checkpoint's or export's copy of the
+    run's file) and fit its vocabulary."""
     from ..data.tokenizers import tokenizer_sha256
     vocab = getattr(td, "vocab_size", None)
     if vocab is not None and vocab > cfg.model.vocab_size:
-        raise ValueError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
+        raise UsageError(f"--data {getattr(td, 'path', '')}: its vocabulary ({vocab}) is larger than the model's "
                          f"model.vocab_size ({cfg.model.vocab_size}); evaluate on data prepared with the run's "
                          f"tokenizer")
     want = ((getattr(td, "manifest", None) or {}).get("tokenizer") or {}).get("sha256")
-    ck_tok = Path(ckpt) / "tokenizer.json"
     if want and ck_tok.is_file() and tokenizer_sha256(ck_tok) != want:
-        raise ValueError(f"--data {getattr(td, 'path', '')}: its tokenizer does not match the run's ({ck_tok}); "
+        raise UsageError(f"--data {getattr(td, 'path', '')}: its tokenizer does not match the run's ({ck_tok}); "
                          f"evaluate on data prepared with the run's tokenizer")

@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 from ..config import ModelConfig
 from .sampling import Sampling, sample
 from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
@@ -62,24 +62,24 @@ class GenerationStep:
 def _prompt_rows(prompt_ids, vocab: int) -> list[list[int]]:
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() not in (1, 2):
-            raise ValueError(f"prompt_ids must be 1-D (T,) or 2-D (B, T), got shape {tuple(prompt_ids.shape)}")
+            raise UsageError(f"prompt_ids must be 1-D (T,) or 2-D (B, T), got shape {tuple(prompt_ids.shape)}")
         prompt_ids = prompt_ids.tolist()
     rows = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
     if rows is None:
-        raise ValueError(f"prompt_ids must be a list of token ids, a list of such lists or a tensor, "
+        raise UsageError(f"prompt_ids must be a list of token ids, a list of such lists or a tensor, "
                          f"got {type(prompt_ids).__name__}")
     if not rows:
-        raise ValueError("prompt_ids is empty: give at least one token")
+        raise UsageError("prompt_ids is empty: give at least one token")
     if not isinstance(rows[0], (list, tuple)):
         rows = [rows]
     out = []
     for r, row in enumerate(rows):
         row = list(row)
         if not row:
-            raise ValueError(f"prompt_ids row {r} is empty: every prompt needs at least one token")
+            raise UsageError(f"prompt_ids row {r} is empty: every prompt needs at least one token")
         for t in row:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_ids must hold integer token ids in [0, {vocab}), got {t!r} in row {r}")
+                raise UsageError(f"prompt_ids must hold integer token ids in [0, {vocab}), got {t!r} in row {r}")
         out.append([int(t) for t in row])
     return out
 
@@ -92,7 +92,7 @@ def _generators(seed, batch: int) -> list[torch.Generator]:
         return gens
     seeds = [seed + r for r in range(batch)] if isinstance(seed, int) and not isinstance(seed, bool) else seed
     if not isinstance(seeds, (list, tuple)) or len(seeds) != batch:
-        raise ValueError(f"seed must be an integer >= 0 or a list of {batch} such integers (one per row), got {seed!r}")
+        raise UsageError(f"seed must be an integer >= 0 or a list of {batch} such integers (one per row), got {seed!r}")
     return [torch.Generator().manual_seed(check_int("seed", s, 0)) for s in seeds]
 
 
@@ -128,14 +128,14 @@ class DecodeSession:
                  rope_scaling=None, size_flag: str = "context (longest prompt + --max-new-tokens)"):
         for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
-                raise ValueError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
+                raise UsageError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
         max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
         if max_len is not None and context > max_len:
-            raise ValueError(f"context {context} (prompt + max_new_tokens) exceeds model.max_seq_len={max_len}")
+            raise UsageError(f"context {context} (prompt + max_new_tokens) exceeds model.max_seq_len={max_len}")
         if dense_window is not None:
             check_int("dense_window", dense_window, 1)
         if rope_scaling is not None and not isinstance(rope_scaling, model.blocks[0].attn.rope.Scaling):
-            raise ValueError(f"DecodeSession rope_scaling must be a RopeScaling or None, got {rope_scaling!r}")
+            raise UsageError(f"DecodeSession rope_scaling must be a RopeScaling or None, got {rope_scaling!r}")
         self.model, self.batch, self.context, self.rope_scaling = model, batch, context, rope_scaling
         p = model.embed.weight
         self.device, self.dtype = p.device, p.dtype
@@ -174,7 +174,7 @@ class DecodeSession:
         """Benchmarks: put every row at position ``length - 1`` with random cached keys/values
         (the cache a prefill of ``length`` tokens would leave, without running it)."""
         if not 1 <= length < self.context:
-            raise ValueError(f"length must be in [1, context={self.context}), got {length}")
+            raise UsageError(f"length must be in [1, context={self.context}), got {length}")
         for state in self.layers:
             if isinstance(state.cache, FullCache):
                 state.cache.randomize(length, generator)
@@ -230,7 +230,7 @@ class DecodeSession:
         max_pos = max(p for _, p in groups)
         at = Positions(pos, min(p for _, p in groups), max_pos)
         if max_pos >= self.context:
-            raise ValueError(f"position {max_pos} is past the context {self.context}")
+            raise UsageError(f"position {max_pos} is past the context {self.context}")
         B = tokens.shape[0]
         x = model.embed(tokens.to(self.device).view(B, 1))
         with self._scaled():
@@ -256,20 +256,20 @@ def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float
     """
     vocab = model.embed.weight.shape[0] if hasattr(model, "embed") else None
     if vocab is None:
-        raise ValueError(f"generate needs a fibattn FibLM, got {type(model).__name__}")
+        raise UsageError(f"generate needs a fibattn FibLM, got {type(model).__name__}")
     check_int("max_new_tokens", max_new_tokens, 0)
     sampling = Sampling(temperature, top_k, top_p)
     rows = _prompt_rows(prompt_ids, vocab)
     stops = set()
     for s in stop_ids or ():
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < vocab:
-            raise ValueError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
+            raise UsageError(f"stop_ids must be token ids in [0, {vocab}), got {s!r}")
         stops.add(s)
     need = max(len(r) for r in rows) + max_new_tokens
     if context is None:
         context = need
     elif check_int("context", context, 1) < need:
-        raise ValueError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
+        raise UsageError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
     scaling = _scaling(model, rope_scaling, rope_factor, context)
     generators = _generators(seed, len(rows))
     session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling)
@@ -282,15 +282,15 @@ def _scaling(model, kind, factor, context: int):
     rope = model.blocks[0].attn.rope
     named = isinstance(kind, str) and kind != "none"
     if factor is not None and not named:
-        raise ValueError(f"rope_factor applies with rope_scaling linear, ntk or yarn (given as a name), "
+        raise UsageError(f"rope_factor applies with rope_scaling linear, ntk or yarn (given as a name), "
                          f"got rope_scaling={kind!r}, rope_factor={factor!r}")
     if kind is None or isinstance(kind, rope.Scaling):
         return kind
     if not isinstance(kind, str) or kind not in rope.SCALING_KINDS:
-        raise ValueError(f"rope_scaling must be one of {', '.join(rope.SCALING_KINDS)}, got {kind!r}")
+        raise UsageError(f"rope_scaling must be one of {', '.join(rope.SCALING_KINDS)}, got {kind!r}")
     train_len = getattr(getattr(model, "cfg", None), "seq_len", None)
     if named and train_len is None:
-        raise ValueError(f"rope_scaling {kind!r} needs the model's training length (model.cfg.seq_len)")
+        raise UsageError(f"rope_scaling {kind!r} needs the model's training length (model.cfg.seq_len)")
     return rope.make_scaling(kind, train_len or 1, factor=factor, length=context)
 
 

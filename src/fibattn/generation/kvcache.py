@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import UsageError
 from ..schedules import attended_distances, interpolation_plan
 
 
@@ -156,7 +157,7 @@ class FullCache(_KV):
 
     def _ensure(self, n: int) -> None:
         if n > self.capacity:
-            raise ValueError(f"position {n - 1} is past the cache capacity {self.capacity} (the context)")
+            raise UsageError(f"position {n - 1} is past the cache capacity {self.capacity} (the context)")
         have = self.kv.shape[2]
         if n > have:
             new = min(self.capacity, max(n, 2 * have))

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 
 
 @dataclass(frozen=True)
@@ -21,11 +21,11 @@ class Sampling:
     def __post_init__(self):
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         check_int("top_k", self.top_k, 0)
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+            raise UsageError(f"top_p must be a number in (0, 1], got {p!r}")
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator]) -> torch.Tensor:

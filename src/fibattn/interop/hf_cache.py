@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 from .hf_llama import FIRST_KEY_POSITION, IMPL_NAME, LayerSpec, _spec_from_config, attention_modules
 
 try:
@@ -80,7 +80,7 @@ class FibCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         seen, new = self.cumulative_length, key_states.shape[-2]
         if self.context is not None and seen + new > self.context:
-            raise ValueError(f"FibCache: length {seen + new} is past the cache's context {self.context}; build it "
+            raise UsageError(f"FibCache: length {seen + new} is past the cache's context {self.context}; build it "
                              f"with FibCache(model, context=N), N >= prompt (with padding) + max_new_tokens")
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
@@ -104,18 +104,18 @@ class FibCacheLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:
-            raise ValueError(f"FibCache cannot crop {tokens_to_remove} tokens: it keeps only each layer's last keys "
+            raise UsageError(f"FibCache cannot crop {tokens_to_remove} tokens: it keeps only each layer's last keys "
                              f"(assisted decoding is not supported)")
 
 
 def _specs(model) -> list[LayerSpec]:
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl != IMPL_NAME:
-        raise ValueError(f"FibCache needs a model switched to fibattn (apply_fibattn or hf_llama.from_pretrained); "
+        raise UsageError(f"FibCache needs a model switched to fibattn (apply_fibattn or hf_llama.from_pretrained); "
                          f"its attn_implementation is {impl!r}")
     specs = [getattr(m, "fibattn_spec", None) or _spec_from_config(m) for m in attention_modules(model)]
     if not specs or not all(isinstance(s, LayerSpec) for s in specs):
-        raise ValueError(f"FibCache: {type(model).__name__} has attention layers without a fibattn spec; "
+        raise UsageError(f"FibCache: {type(model).__name__} has attention layers without a fibattn spec; "
                          f"call apply_fibattn(model, ...) first")
     return specs
 
@@ -133,7 +133,7 @@ class FibCache(Cache):
         if context is not None:
             context = check_int("context", context, 1)
         elif any(s.reach_len is None for s in specs):
-            raise ValueError("FibCache(model, context=None) needs apply_fibattn(..., reach_len=N): without it the "
+            raise UsageError("FibCache(model, context=None) needs apply_fibattn(..., reach_len=N): without it the "
                              "distance sets grow with the length (method.md §1); pass context=prompt + max_new_tokens")
         self.context = context
         self.keeps = [max(s.distances(context if context is not None else s.reach_len)) for s in specs]

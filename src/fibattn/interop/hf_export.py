@@ -16,10 +16,8 @@ embeddings), so its weights load into ``LlamaForCausalLM`` with three changes:
   refuses the folder rather than load it dense. ``hf_llama.from_pretrained(OUT)`` loads it onto
   fibattn's op. A dense model is a plain Llama folder.
 
-The tokenizer is written as a ``tokenizers`` file ``AutoTokenizer`` reads that encodes and decodes
-every input as fibattn's does (:func:`hf_tokenizer`): the byte tokenizer as a byte-level model whose
-ids are the byte values, a BPE tokenizer with the settings where transformers' defaults differ (a
-special token's text is plain text, no BOS added, special tokens dropped when decoding). Learned-alpha
+The tokenizer files are those of every export (:mod:`fibattn.data.autotokenizer`): ``AutoTokenizer``
+encodes and decodes every input as fibattn's tokenizer does. Learned-alpha
 models are refused: their attention interpolates between distances, which the drop-in does not.
 """
 from __future__ import annotations
@@ -30,7 +28,9 @@ from pathlib import Path
 
 import torch
 
+from ..checks import UsageError
 from ..config import to_dict
+from ..data.autotokenizer import hf_tokenizer_files
 from ..model.llama_names import to_llama
 from ..storage.checkpoint import Checkpoint
 from ..storage.export import run_card
@@ -76,50 +76,6 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
                     tied=m.tie_embeddings)
 
 
-def hf_tokenizer(tokenizer, transformers):
-    """fibattn's ``tokenizer`` as a ``PreTrainedTokenizerFast`` that encodes and decodes every input exactly as
-    fibattn does. Where transformers' defaults differ, the saved files say so:
-
-    - a special token's text inside a document is plain text (``split_special_tokens``), as fibattn encodes it;
-    - no post-processor: fibattn adds no BOS/EOS around a text;
-    - decoding drops special tokens (fibattn's ``decode`` does; transformers keeps them unless
-      ``skip_special_tokens``): the decoder maps each to nothing; no clean-up of spaces.
-
-    The byte tokenizer becomes a byte-level model whose ids are the byte values (eos 255, the byte 0xFF)."""
-    import re
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    if type(tokenizer).__name__ == "ByteTokenizer":
-        table = _bytes_to_unicode()
-        tk = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
-        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tk.decoder = decoders.ByteLevel()
-        eos, specials = table[255], [table[255]]
-    else:
-        tk = Tokenizer.from_str(tokenizer.backend.to_str())           # a copy: fibattn's own stays as it is
-        eos = tk.id_to_token(tokenizer.eos_id)                         # <|endoftext|>, or a reused tokenizer's own
-        specials = sorted({t.content for t in tk.get_added_tokens_decoder().values() if t.special} | {eos})
-    tk.post_processor = None
-    drop = decoders.Replace(Regex(r"\A(?:" + "|".join(map(re.escape, specials)) + r")\z"), "")
-    tk.decoder = drop if tk.decoder is None else decoders.Sequence([drop, tk.decoder])
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, split_special_tokens=True,
-                                                clean_up_tokenization_spaces=False)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (what the ByteLevel pre-tokenizer uses)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + n)
-            n += 1
-    return table
-
-
 def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     """Write ``out_dir`` as a transformers folder: remote code for a sparse model (settings in
     ``config.fibattn``), a plain Llama for a dense one."""
@@ -129,12 +85,12 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     from ..model.attention import config_base
     out = check_creatable(out_dir, "the export folder (OUT)")
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"OUT {out} is not empty; --format hf writes a new folder (choose an empty or new one)")
+        raise UsageError(f"OUT {out} is not empty; --format hf writes a new folder (choose an empty or new one)")
     ckpt = find_checkpoint(run_dir, step)
     model, cfg, tokenizer = load_run(ckpt)
     m = cfg.model
     if m.attention == "sparse" and m.schedule == "learned":
-        raise ValueError("--format hf: a learned-alpha model attends interpolated distances, which the transformers "
+        raise UsageError("--format hf: a learned-alpha model attends interpolated distances, which the transformers "
                          "drop-in does not; export it in fibattn's format (the default)")
     hf_cfg = transformers.LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden, num_hidden_layers=m.n_layers,
@@ -151,7 +107,8 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     if sparse:
         _as_remote_code(out)
     if tokenizer is not None:
-        hf_tokenizer(tokenizer, transformers).save_pretrained(out)
+        for name, data in hf_tokenizer_files(tokenizer).items():
+            (out / name).write_bytes(data)
     c = Checkpoint.open(ckpt)
     (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
                                             files=SPARSE_FILES if sparse else DENSE_FILES))

@@ -25,6 +25,17 @@ queries attend through the sparse boolean pattern combined with transformers' pa
 exact (a left-padded row gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
 
+Packed documents (padding-free batches, ``DataCollatorWithFlattening``): transformers passes the
+attention function ``cu_seq_lens_q``/``cu_seq_lens_k`` (FlashAttention's varlen kwargs) and
+``position_ids``; the documents come from ``cu_seq_lens_q`` when given, else from positions that
+restart (a document starts wherever the position does not continue the previous one, as
+transformers' own packed-sequence mask reads them). Each query then attends inside its document
+through the set of that document's length, so every document gets the logits of its own
+unpadded call: on :func:`fibattn.sparse_attention` with ``document_ids`` where one set serves
+every document, else through a boolean pattern. A padding mask still hides its keys, and a
+document's length counts its real tokens (a left-padded row, whose pads restart the positions,
+is such a batch).
+
 Generation: ``model.generate`` keeps transformers' full cache by default, so memory grows with
 the context. ``model.generate(..., cache=FibCache(model, context=...))`` with
 :class:`fibattn.interop.hf_cache.FibCache` keeps only each layer's last ``max(D)`` keys:
@@ -40,13 +51,14 @@ module; either way the layers rebuild their patterns from the saved config.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_keys
-from ..ops import sparse_attention
+from ..checks import UsageError, check_keys
+from ..ops import document_ids_from_cu_seqlens, document_ids_from_position_ids, sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
 
 log = logging.getLogger("fibattn")
@@ -57,6 +69,9 @@ FIRST_KEY_POSITION = "fibattn_first_key_position"
 SCHEDULES = ("fixed", "linear", "coprime", "custom")
 # what apply_fibattn saves in config.fibattn
 SAVED_KEYS = ("window", "alphas", "reach_len", "backend", "schedule", "base")
+# the documents of the last packed batch: (weakref to their source tensor, its version, (B, T), ids, lengths);
+# every layer gets the same position_ids, so the ids are derived (and checked by the op) once a forward
+_derived: list = [None, None, None, None, None]
 
 
 @dataclass(frozen=True)
@@ -115,7 +130,12 @@ def _masked(dists, query, key, value, pad, scaling):
         pattern = torch.stack([_cached_mask(dists(int(n)), tq, tk, query.device) for n in lengths])[:, None]
     else:
         pattern = _cached_mask(dists, tq, tk, query.device)[None, None]
-    allowed = pattern & pad
+    return _attend(query, key, value, pattern & pad, scaling)
+
+
+def _attend(query, key, value, allowed, scaling):
+    """Dense attention through the boolean ``allowed`` ``(B, 1, Tq, Tk)``."""
+    tq, tk = query.shape[2], key.shape[2]
     # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
     empty = ~allowed.any(-1, keepdim=True)
     diag = torch.zeros_like(allowed)
@@ -125,23 +145,87 @@ def _masked(dists, query, key, value, pad, scaling):
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+def packed_documents(query, key, kwargs) -> tuple[torch.Tensor, set[int]] | None:
+    """``(document_ids (B, T), their lengths)`` of a packed batch, from ``cu_seq_lens_q`` when given, else from
+    ``position_ids`` that restart; None when every row is one document, or with keys from a cache (``Tq < Tk``,
+    or a :class:`~.hf_cache.FibCache`'s marked keys)."""
+    B, tq = query.shape[0], query.shape[2]
+    cu, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
+    source = cu if cu is not None else pos
+    if source is None or tq != key.shape[2] or hasattr(key, FIRST_KEY_POSITION):
+        return None
+    ref, version, shape, ids, lengths = _derived
+    if ref is not None and ref() is source and version == source._version and shape == (B, tq):
+        return None if ids is None else (ids, lengths)
+    if cu is not None:
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if B != 1 or (cu_k is not None and not torch.equal(cu_k.cpu(), cu.cpu())):
+            raise UsageError(f"fibattn attention takes cu_seq_lens for one packed row with cu_seq_lens_q == "
+                             f"cu_seq_lens_k (what DataCollatorWithFlattening makes), got batch size {B}")
+        ids = document_ids_from_cu_seqlens(cu.to(query.device, torch.long), total=tq)
+    else:
+        ids = document_ids_from_position_ids(pos.to(query.device).expand(B, -1))
+    lengths = None
+    if not ids[:, -1].any():
+        ids = None
+    else:
+        lengths = {n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()}
+    _derived[:] = [weakref.ref(source), source._version, (B, tq), ids, lengths]
+    return None if ids is None else (ids, lengths)
+
+
+def _packed(spec: LayerSpec, full, query, key, value, documents, mask, scaling):
+    """Packed documents (``Tq == Tk``, ``full`` the set at T): each query attends inside its own document through
+    the set of the document's real length -- what the document gives on its own. ``mask``: boolean, or None."""
+    ids, lengths = documents
+    T, dev = query.shape[2], query.device
+    pos = torch.arange(T, device=dev)
+    seen = inside = None
+    if mask is not None:
+        inside = _inside(ids, pos)
+        seen = inside & mask[:, 0, :, -T:]
+    # transformers' own packed mask hides nothing inside a document; one set must serve every length
+    if (seen is None or torch.equal(seen, inside)) and all(spec.distances(n) == [d for d in full if d < n]
+                                                            for n in lengths):
+        return sparse_attention(query, key, value, full, scale=scaling, backend=spec.backend, document_ids=ids)
+    seen = _inside(ids, pos) if seen is None else seen
+    # a document's real length: the keys its last token sees (a padding mask hides its pads)
+    end = torch.ones_like(ids, dtype=torch.bool)
+    end[:, :-1] = ids[:, 1:] != ids[:, :-1]
+    last = torch.where(end, pos, T).flip(-1).cummin(-1).values.flip(-1)
+    real = seen.sum(-1).gather(1, last)
+    gap = pos[:, None] - pos[None, :]
+    pattern = torch.zeros_like(seen)
+    for n in real.unique().tolist():
+        pattern |= (real == n)[..., None] & torch.isin(gap, torch.tensor(spec.distances(max(n, 1)), device=dev))
+    return _attend(query, key, value, (pattern & seen)[:, None], scaling)
+
+
+def _inside(ids, pos):
+    """``(B, T, T)``: key ``j`` is in query ``i``'s document and not after it."""
+    return (ids[:, :, None] == ids[:, None, :]) & (pos[:, None] >= pos[None, :])
+
+
 def fibattn_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
     """The function registered as ``"fibattn"``; see the module docstring."""
     spec = getattr(module, "fibattn_spec", None) or _spec_from_config(module)
     if not isinstance(spec, LayerSpec):
-        raise ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no fibattn "
+        raise UsageError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) has no fibattn "
                          f"spec: call fibattn.interop.hf_llama.apply_fibattn(model, ...) instead of setting "
                          f"attn_implementation='{IMPL_NAME}' by hand")
     if dropout:
-        raise ValueError(f"fibattn attention has no dropout; set config.attention_dropout=0, got {dropout}")
+        raise UsageError(f"fibattn attention has no dropout; set config.attention_dropout=0, got {dropout}")
     tq, tk = query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise UsageError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
+    documents = packed_documents(query, key, kwargs)
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
+    if documents is not None:
+        out = _packed(spec, dists, query, key, value, documents, attention_mask, scaling)
+    elif attention_mask is not None:
         # every key in hand (no FibCache): each row's own length is countable from its mask
         per_row = spec.distances if not hasattr(key, FIRST_KEY_POSITION) else dists
         out = _masked(per_row, query, key, value, attention_mask, scaling)
-    elif attention_mask is not None:
-        raise ValueError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
     elif tq == tk:
         out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     else:
@@ -172,10 +256,10 @@ def attention_modules(model) -> list:
 def plan_alphas(n_layers: int, schedule: str, *, a_min: float = 0.5, a_max: float = 1.5, alpha: float = 1.0,
                 alphas=None) -> list[float]:
     if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)} (learned alphas are not supported in "
+        raise UsageError(f"schedule must be one of {', '.join(SCHEDULES)} (learned alphas are not supported in "
                          f"the transformers drop-in), got {schedule!r}")
     if schedule == "custom" and (alphas is None or len(alphas) != n_layers):
-        raise ValueError(f"schedule='custom' needs alphas: a list of {n_layers} values (one per layer), got {alphas!r}")
+        raise UsageError(f"schedule='custom' needs alphas: a list of {n_layers} values (one per layer), got {alphas!r}")
     return layer_alphas(schedule, n_layers, a_min=a_min, a_max=a_max, value=alpha,
                         values=list(alphas) if alphas is not None else None)
 
@@ -192,16 +276,16 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
     """
     register()
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be an integer >= 0, got {window!r}")
+        raise UsageError(f"window must be an integer >= 0, got {window!r}")
     if reach_len is not None and (isinstance(reach_len, bool) or not isinstance(reach_len, int) or reach_len < 1):
-        raise ValueError(f"reach_len must be None or an integer >= 1, got {reach_len!r}")
+        raise UsageError(f"reach_len must be None or an integer >= 1, got {reach_len!r}")
     layers = attention_modules(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx and q_proj "
+        raise UsageError(f"{type(model).__name__} has no attention modules with layer_idx and q_proj "
                          f"(a Llama-style transformers model is expected)")
     idx = [m.layer_idx for m in layers]
     if idx != list(range(len(layers))):
-        raise ValueError(f"attention layer indices must be 0..{len(layers) - 1}, got {idx}")
+        raise UsageError(f"attention layer indices must be 0..{len(layers) - 1}, got {idx}")
     base = as_base(base)
     values = plan_alphas(len(layers), schedule, a_min=a_min, a_max=a_max, alpha=alpha, alphas=alphas)
     for module, a in zip(layers, values):
@@ -212,7 +296,7 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
     _set_impl(model, IMPL_NAME)
     wrong = [m.layer_idx for m in layers if m.config._attn_implementation != IMPL_NAME]
     if wrong:
-        raise ValueError(f"could not switch layers {wrong} to attn_implementation='{IMPL_NAME}'")
+        raise UsageError(f"could not switch layers {wrong} to attn_implementation='{IMPL_NAME}'")
     log.info("fibattn.interop.hf_llama: %d layers, window %d, base %s, schedule %s, alphas %s", len(layers), window,
              base.kind, schedule, [round(a, 4) for a in values])
     return model
@@ -234,7 +318,7 @@ def from_pretrained(path, *, model_class=None, **kwargs):
             cls, kwargs["config"] = transformers.LlamaForCausalLM, transformers.LlamaConfig.from_dict(saved)
     model = cls.from_pretrained(path, attn_implementation=IMPL_NAME, **kwargs)
     if not isinstance(getattr(model.config, "fibattn", None), dict):
-        raise ValueError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "
+        raise UsageError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "
                          f"load it with transformers and call apply_fibattn(model, ...)")
     saved = model.config.fibattn
     check_keys(f"{path}: config.json 'fibattn'", saved, SAVED_KEYS)       # a misspelt key would change the pattern

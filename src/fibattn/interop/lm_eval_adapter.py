@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_keys, parse_int
+from ..checks import UsageError, check_keys, parse_int
 from ..devices import resolve_device as _resolve
 from ..storage.runs import parse_step
 
@@ -62,9 +62,9 @@ class FibScorer:
         self.max_length = parse_int("max_length", self.max_length, 1)
         limit = self.model.cfg.max_seq_len
         if self.max_length > limit:
-            raise ValueError(f"max_length must be <= model.max_seq_len={limit}, got {self.max_length}")
+            raise UsageError(f"max_length must be <= model.max_seq_len={limit}, got {self.max_length}")
         if getattr(self.tokenizer, "eos_id", None) is None:
-            raise ValueError("the tokenizer needs an end-of-document id (eos_id)")
+            raise UsageError("the tokenizer needs an end-of-document id (eos_id)")
         self.eos = int(self.tokenizer.eos_id)
 
     @classmethod
@@ -73,7 +73,7 @@ class FibScorer:
         from ..storage.pretrained import load_model
         model, tok = load_model(path, step=step, device=device)
         if tok is None:
-            raise ValueError(f"{path} has no tokenizer; lm-eval needs one (tokenizer.json)")
+            raise UsageError(f"{path} has no tokenizer; lm-eval needs one (tokenizer.json)")
         return cls(model, tok, model.cfg.seq_len if max_length is None else max_length)
 
     @property
@@ -107,7 +107,7 @@ class FibScorer:
     def loglikelihood(self, context: str, continuation: str) -> tuple[float, bool]:
         ctx, cont = self.encode_pair(context, continuation)
         if not cont:
-            raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+            raise UsageError(f"continuation {continuation!r} encodes to no tokens")
         if not ctx:
             ctx = [self.eos]
         whole = (ctx + cont)[-(self.max_length + 1):]
@@ -134,7 +134,7 @@ class FibScorer:
         until = [until] if isinstance(until, str) else list(until)
         max_gen = parse_int("max_gen_toks", kw.pop("max_gen_toks", DEFAULT_GEN_TOKS), 1)
         if max_gen >= self.max_length:
-            raise ValueError(f"max_gen_toks must be < max_length={self.max_length}, got {max_gen}")
+            raise UsageError(f"max_gen_toks must be < max_length={self.max_length}, got {max_gen}")
         temperature = float(kw.pop("temperature", 0.0) or 0.0)
         if not kw.pop("do_sample", False):
             temperature = 0.0
@@ -178,7 +178,7 @@ def run_requests(scorer: FibScorer, kind: str, requests) -> list:
     fn = {"loglikelihood": scorer.loglikelihood, "loglikelihood_rolling": scorer.loglikelihood_rolling,
           "generate_until": scorer.generate_until}.get(kind)
     if fn is None:
-        raise ValueError(f"kind must be loglikelihood, loglikelihood_rolling or generate_until, got {kind!r}")
+        raise UsageError(f"kind must be loglikelihood, loglikelihood_rolling or generate_until, got {kind!r}")
     return [fn(*_request_args(r)) for r in requests]
 
 
@@ -193,7 +193,7 @@ def _build_lm_class():
             super().__init__()
             check_keys("lm-eval model_args", unknown, MODEL_ARGS)    # a misspelt key would change the scores
             if not path:
-                raise ValueError("fibattn lm-eval model needs model_args path=RUN_OR_EXPORT")
+                raise UsageError("fibattn lm-eval model needs model_args path=RUN_OR_EXPORT")
             step = parse_step(step or "latest", "model_args step")
             self.scorer = FibScorer.load(path, max_length=max_length, step=step, device=resolve_device(device))
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checks import check_int, check_positive
+from ..checks import UsageError, check_int, check_positive
 from ..ops import BACKENDS, interpolated_sparse_attention, sparse_attention
 from .rope import RotaryEmbedding
 from ..schedules import Base, LearnedAlphas, as_base, attended_distances, layer_alphas
@@ -41,7 +41,7 @@ def config_base(model_cfg) -> Base:
         return Base("pow2")
     if model_cfg.base == "custom":
         return Base("custom", values=tuple(model_cfg.base_values))
-    raise ValueError(f"model.base must be one of fib, pow2, custom, got {model_cfg.base!r}")
+    raise UsageError(f"model.base must be one of fib, pow2, custom, got {model_cfg.base!r}")
 
 
 def config_layer_alphas(model_cfg) -> list[float]:
@@ -56,6 +56,13 @@ def config_layer_alphas(model_cfg) -> list[float]:
 
 
 # ------------------------------------------------------------------------- the layer
+def document_mask(document_ids: torch.Tensor, T: int) -> torch.Tensor:
+    """Dense attention's mask for packed documents: causal and block-diagonal, ``(B, 1, T, T)``."""
+    pos = torch.arange(T, device=document_ids.device)
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    return (same & (pos[:, None] >= pos[None, :]))[:, None]
+
+
 class FibAttention(nn.Module):
     """Causal self-attention ``(B, T, C) -> (B, T, C)`` with a per-layer alpha."""
 
@@ -70,23 +77,23 @@ class FibAttention(nn.Module):
         check_int("n_heads", n_heads, 1)
         n_kv_heads = n_heads if n_kv_heads is None else check_int("n_kv_heads", n_kv_heads, 1)
         if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+            raise UsageError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+            raise UsageError(f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
         if (d_model // n_heads) % 2:
-            raise ValueError(f"head dim d_model / n_heads must be even for RoPE, got {d_model // n_heads}")
+            raise UsageError(f"head dim d_model / n_heads must be even for RoPE, got {d_model // n_heads}")
         if attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
+            raise UsageError(f"attention must be one of {', '.join(ATTENTION_KINDS)}, got {attention!r}")
         if reach not in REACH_MODES:
-            raise ValueError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
+            raise UsageError(f"reach must be one of {', '.join(REACH_MODES)}, got {reach!r}")
         if reach == "train" and reach_len is None:
-            raise ValueError("reach='train' needs reach_len (the training length, an integer >= 1)")
+            raise UsageError("reach='train' needs reach_len (the training length, an integer >= 1)")
         if reach_len is not None:
             check_int("reach_len", reach_len, 1)
         if backend not in BACKENDS + ("auto",):
-            raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+            raise UsageError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
         if learned and attention == "dense":
-            raise ValueError("learned=True needs attention='sparse' (dense attention has no alpha)")
+            raise UsageError("learned=True needs attention='sparse' (dense attention has no alpha)")
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.attention, self.reach, self.reach_len, self.backend = attention, reach, reach_len, backend
@@ -117,7 +124,7 @@ class FibAttention(nn.Module):
         m = model_cfg
         check_int("layer_idx", layer_idx, 0)
         if layer_idx >= m.n_layers:
-            raise ValueError(f"layer_idx must be < model.n_layers={m.n_layers}, got {layer_idx}")
+            raise UsageError(f"layer_idx must be < model.n_layers={m.n_layers}, got {layer_idx}")
         alpha = config_layer_alphas(m)[layer_idx] if m.attention == "sparse" else 1.0
         return cls(m.d_model, m.n_heads, m.n_kv_heads, attention=m.attention, window=m.window,
                    base=config_base(m), alpha=alpha, learned=m.attention == "sparse" and m.schedule == "learned",
@@ -166,27 +173,31 @@ class FibAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return self.rope(q, offset), self.rope(k, offset), v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core on RoPE'd heads; returns ``(B, H, T, Dh)``."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core on RoPE'd heads; returns ``(B, H, T, Dh)``. ``document_ids`` ``(B, T)``:
+        packed documents, each query attends inside its own (method.md §8), dense layers too."""
         T = q.shape[2]
         if self.attention == "dense":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                  enable_gqa=self.n_heads != self.n_kv_heads)
+            gqa = self.n_heads != self.n_kv_heads
+            if document_ids is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(document_ids, T), enable_gqa=gqa)
         if self.learned:
             return interpolated_sparse_attention(q, k, v, alpha=self.alphas.alpha(0), base=self.base,
                                                  window=self.window, reach=self._reach_arg(),
-                                                 backend=self.backend)
-        return sparse_attention(q, k, v, self.distances(T), backend=self.backend)
+                                                 backend=self.backend, document_ids=document_ids)
+        return sparse_attention(q, k, v, self.distances(T), backend=self.backend, document_ids=document_ids)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """``(B, H, T, Dh)`` heads -> output projection ``(B, T, C)``."""
         B, H, T, Dh = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * Dh))
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"FibAttention expects x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
-        return self.merge(self.attend(*self.qkv(x, offset)))
+            raise UsageError(f"FibAttention expects x of shape (B, T, {self.d_model}), got {tuple(x.shape)}")
+        return self.merge(self.attend(*self.qkv(x, offset), document_ids=document_ids))
 
     def extra_repr(self) -> str:
         if self.attention == "dense":

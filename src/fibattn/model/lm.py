@@ -17,9 +17,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from ..checks import UsageError
 from .attention import FibAttention
-from ..config import ModelConfig
+from ..config import ACTIVATION_CHECKPOINTING, ModelConfig
 from ..validation import validate_model
 
 
@@ -44,12 +46,19 @@ class Block(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, offset: int = 0, attend=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, attend=None, document_ids=None) -> torch.Tensor:
         """``attend(attn, h) -> (B, H, T, Dh)``, when given, replaces the layer's own projections
         and attention core on the normalised input ``h`` (generation reads and fills its caches
         there); norms, residuals and the feed-forward stay this block's."""
+        return self.feed_forward(self.attention(x, offset, attend, document_ids))
+
+    def attention(self, x: torch.Tensor, offset: int = 0, attend=None, document_ids=None) -> torch.Tensor:
+        """The block's first half: ``x`` plus its attention."""
         h = self.attn_norm(x)
-        x = x + (self.attn(h, offset) if attend is None else self.attn.merge(attend(self.attn, h)))
+        return x + (self.attn(h, offset, document_ids) if attend is None else self.attn.merge(attend(self.attn, h)))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's second half: ``x`` plus its feed-forward."""
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -59,9 +68,10 @@ class FibLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
-            raise ValueError(f"FibLM expects a fibattn.config.ModelConfig, got {type(cfg).__name__}")
+            raise UsageError(f"FibLM expects a fibattn.config.ModelConfig, got {type(cfg).__name__}")
         validate_model(cfg)
         self.cfg = cfg
+        self.activation_checkpointing = "none"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, out_std) for i in range(cfg.n_layers))
@@ -89,40 +99,60 @@ class FibLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def _check_idx(self, idx: torch.Tensor) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-            raise ValueError(f"idx must be a (B, T) tensor of token ids, got "
+            raise UsageError(f"idx must be a (B, T) tensor of token ids, got "
                              f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
         if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise ValueError(f"idx must hold integer token ids, got {idx.dtype}")
+            raise UsageError(f"idx must hold integer token ids, got {idx.dtype}")
         if idx.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {idx.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            raise UsageError(f"sequence length {idx.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
-                raise ValueError(f"token ids must lie in [0, model.vocab_size={self.cfg.vocab_size}), "
+                raise UsageError(f"token ids must lie in [0, model.vocab_size={self.cfg.vocab_size}), "
                                  f"got values in [{lo}, {hi}]")
 
-    def hidden(self, idx: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """Final normalised hidden states ``(B, T, C)``."""
+    def hidden(self, idx: torch.Tensor, offset: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normalised hidden states ``(B, T, C)``; ``document_ids`` ``(B, T)``: packed documents
+        (each token attends inside its own; RoPE needs no restart, method.md §8)."""
         self._check_idx(idx)
         x = self.embed(idx.long())
+        recompute = self.activation_checkpointing == "full" and torch.is_grad_enabled()   # inference never does
         for block in self.blocks:
-            x = block(x, offset)
+            if recompute:        # each half on its own: the attention's activations are gone by the FFN's backward
+                x = checkpoint(block.attention, x, offset, None, document_ids, use_reentrant=False)
+                x = checkpoint(block.feed_forward, x, use_reentrant=False)
+            else:
+                x = block(x, offset, None, document_ids)
         return self.norm(x)
+
+    def set_activation_checkpointing(self, mode: str) -> FibLM:
+        """``full``: keep only each block's input and recompute the block in the backward
+        (``torch.utils.checkpoint``, non-reentrant; same losses and gradients); ``none``: keep every activation.
+        A runtime choice (``train.activation_checkpointing``), not part of the weights."""
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise UsageError(f"activation checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+                             f"got {mode!r}")
+        self.activation_checkpointing = mode
+        return self
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output head on normalised hidden states."""
         return F.linear(h, self.output_weight)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                document_ids: torch.Tensor | None = None, offset: int = 0):
         """Logits ``(B, T, V)``; with ``targets`` ``(B, T)`` also the mean token cross-entropy.
 
-        Target positions equal to -100 are ignored (PyTorch's ``ignore_index``).
+        Target positions equal to -100 are ignored (PyTorch's ``ignore_index``). ``document_ids``
+        ``(B, T)``: packed documents (``fibattn.sparse_attention``); logits of each document equal
+        those of the document run on its own. ``offset``: the global position of ``idx[:, 0]`` (a
+        context-parallel chunk, ``fibattn.parallel``).
         """
-        logits = self.logits(self.hidden(idx))
+        logits = self.logits(self.hidden(idx, offset, document_ids))
         if targets is None:
             return logits
         if targets.shape != idx.shape:
-            raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            raise UsageError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
         return logits, loss
 
@@ -174,11 +204,11 @@ class FibLM(nn.Module):
         from ..generation.decode import generate_tokens
         tok = tokenizer if tokenizer is not None else getattr(self, "tokenizer", None)
         if tok is None:
-            raise ValueError("generate(text) needs a tokenizer: load the model with fibattn.from_pretrained or pass "
+            raise UsageError("generate(text) needs a tokenizer: load the model with fibattn.from_pretrained or pass "
                              "tokenizer=")
         rows = [tok.encode(p) for p in prompts]
         if not all(rows):
-            raise ValueError("prompt encodes to no tokens; give a non-empty prompt")
+            raise UsageError("prompt encodes to no tokens; give a non-empty prompt")
         eos = getattr(tok, "eos_id", None)
         kwargs.setdefault("stop_ids", () if eos is None else (eos,))
         return [tok.decode([t for t in new if t != eos]) for new in generate_tokens(self, rows, **kwargs)]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..checks import UsageError
+
 SCALING_KINDS = ("none", "linear", "ntk", "yarn")
 _CACHE_MAX = 8                   # tables kept per module: a few (device, scaling) pairs
 
@@ -43,14 +45,14 @@ class RopeScaling:
 
     def __post_init__(self):
         if self.kind not in SCALING_KINDS[1:]:
-            raise ValueError(f"rope scaling kind must be one of {', '.join(SCALING_KINDS[1:])} (no scaling: "
+            raise UsageError(f"rope scaling kind must be one of {', '.join(SCALING_KINDS[1:])} (no scaling: "
                              f"None), got {self.kind!r}")
         object.__setattr__(self, "factor", check_factor(self.factor))
         ol = self.original_len
         if isinstance(ol, bool) or not isinstance(ol, int) or ol < 1:
-            raise ValueError(f"rope scaling original_len (the training length) must be an integer >= 1, got {ol!r}")
+            raise UsageError(f"rope scaling original_len (the training length) must be an integer >= 1, got {ol!r}")
         if not (math.isfinite(self.alpha) and math.isfinite(self.beta) and 0 <= self.alpha < self.beta):
-            raise ValueError(f"rope scaling yarn ramp needs finite 0 <= alpha < beta, got alpha={self.alpha}, "
+            raise UsageError(f"rope scaling yarn ramp needs finite 0 <= alpha < beta, got alpha={self.alpha}, "
                              f"beta={self.beta}")
 
     def inv_freq(self, theta: float, head_dim: int) -> torch.Tensor:
@@ -86,9 +88,9 @@ def check_factor(factor, name: str = "rope factor") -> float:
     try:
         value = float(factor)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number >= 1, got {factor!r}") from None
+        raise UsageError(f"{name} must be a number >= 1, got {factor!r}") from None
     if isinstance(factor, bool) or not math.isfinite(value) or value < 1:
-        raise ValueError(f"{name} must be a finite number >= 1, got {factor!r}")
+        raise UsageError(f"{name} must be a finite number >= 1, got {factor!r}")
     return value
 
 
@@ -99,12 +101,12 @@ def make_scaling(kind, original_len: int, *, factor=None, length: int | None = N
     if kind is None or isinstance(kind, RopeScaling):
         return kind
     if kind not in SCALING_KINDS:
-        raise ValueError(f"rope scaling must be one of {', '.join(SCALING_KINDS)}, got {kind!r}")
+        raise UsageError(f"rope scaling must be one of {', '.join(SCALING_KINDS)}, got {kind!r}")
     if kind == "none":
         return None
     if factor is None:
         if length is None:
-            raise ValueError(f"rope scaling {kind!r} needs a factor or the length it is for (factor = length / "
+            raise UsageError(f"rope scaling {kind!r} needs a factor or the length it is for (factor = length / "
                              f"training length)")
         factor = max(1.0, length / original_len)
     sc = RopeScaling(kind, factor, original_len)
@@ -122,12 +124,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, *, theta: float = 1e4, max_seq_len: int = 1 << 20):
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
-            raise ValueError(f"head_dim must be an even integer >= 2 for RoPE, got {head_dim!r}")
+            raise UsageError(f"head_dim must be an even integer >= 2 for RoPE, got {head_dim!r}")
         theta = float(theta)
         if not math.isfinite(theta) or theta <= 0:
-            raise ValueError(f"rope theta must be a finite number > 0, got {theta}")
+            raise UsageError(f"rope theta must be a finite number > 0, got {theta}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
+            raise UsageError(f"max_seq_len must be an integer >= 1, got {max_seq_len!r}")
         self.head_dim, self.theta, self.max_seq_len = head_dim, theta, max_seq_len
         # a plain float64 CPU tensor, not a buffer: model.to(bfloat16) must not round it
         self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") * 2 / head_dim)
@@ -143,7 +145,7 @@ class RotaryEmbedding(nn.Module):
         """``(cos, sin)`` of ``pos * freq`` as float32 ``(end, Dh/2, 2)`` for positions ``0..end-1``
         (real, so that a compiled graph holds no complex tensor); times ``scaling.qk_scale`` under yarn."""
         if end > self.max_seq_len:
-            raise ValueError(f"position {end - 1} exceeds model.max_seq_len={self.max_seq_len}; "
+            raise UsageError(f"position {end - 1} exceeds model.max_seq_len={self.max_seq_len}; "
                              f"raise model.max_seq_len (positions must be < max_seq_len)")
         key = (str(device), self.scaling)          # a scaling change selects other tables, never stale ones
         hit = self._cache.get(key)
@@ -162,9 +164,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
-            raise ValueError(f"RoPE expects (B, H, T, {self.head_dim}), got {tuple(x.shape)}")
+            raise UsageError(f"RoPE expects (B, H, T, {self.head_dim}), got {tuple(x.shape)}")
         if offset < 0:
-            raise ValueError(f"offset must be >= 0, got {offset}")
+            raise UsageError(f"offset must be >= 0, got {offset}")
         B, H, T, Dh = x.shape
         rot = self.rotations(offset + T, x.device)[offset:]
         pairs = x.float().reshape(B, H, T, Dh // 2, 2)
@@ -217,11 +219,11 @@ def rope_scaling_mode(model, kind, factor=None, *, length: int | None = None, or
         if original_len is None:
             original_len = _training_length(model)
         if original_len is None:
-            raise ValueError(f"rope scaling {kind!r} needs the training length: pass original_len= (this model "
+            raise UsageError(f"rope scaling {kind!r} needs the training length: pass original_len= (this model "
                              f"has no cfg.seq_len)")
         sc = make_scaling(kind, original_len, factor=factor, length=length)
     if sc is not None and not ropes:
-        raise ValueError(f"rope scaling {sc.kind!r} needs a model with rotary embeddings; "
+        raise UsageError(f"rope scaling {sc.kind!r} needs a model with rotary embeddings; "
                          f"{type(model).__name__} has none")
     with contextlib.ExitStack() as stack:
         for rope in ropes:

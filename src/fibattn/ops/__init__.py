@@ -4,6 +4,10 @@ Layout, stated once: q ``(B, H, T, Dh)``; k, v ``(B, Hkv, T, Dh)`` with ``H % Hk
 (grouped-query attention: query head ``h`` reads key/value head ``h // (H // Hkv)``);
 the output has q's shape and dtype.
 
+Packed documents: both ops take ``document_ids`` ``(B, T)`` (one contiguous run of equal values
+per document, ``documents``); a query then sees only keys of its own document, exactly as if
+each document were run on its own.
+
 Backends (``backends``; chosen explicitly, ``auto`` logs its pick once): ``reference``,
 ``torch``, ``cpu``, ``triton``, ``flex``. The ``torch``, ``cpu`` and ``triton`` kernel sets
 run behind ``torch.library`` custom ops (``custom_ops``), so ``torch.compile`` traces
@@ -18,33 +22,37 @@ from typing import Sequence
 
 import torch
 
+from ..checks import UsageError
 from ..schedules import Base, BaseLike, as_base, interpolation_plan
 from . import custom_ops, eager
 from .backends import BACKENDS, backend_available, resolve_backend
 from .columns import ColumnSpec
+from .documents import (document_ids_from_cu_seqlens, document_ids_from_eos, document_ids_from_position_ids,
+                        document_offsets)
 
-__all__ = ["BACKENDS", "backend_available", "resolve_backend", "sparse_attention", "interpolated_sparse_attention"]
+__all__ = ["BACKENDS", "backend_available", "resolve_backend", "sparse_attention", "interpolated_sparse_attention",
+           "document_ids_from_cu_seqlens", "document_ids_from_eos", "document_ids_from_position_ids"]
 
 
 def _check_qkv(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
-            raise ValueError(f"{name} must be a 4-D tensor (B, H, T, Dh), got "
+            raise UsageError(f"{name} must be a 4-D tensor (B, H, T, Dh), got "
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+            raise UsageError(f"{name} must be a floating-point tensor, got {x.dtype}")
     (B, H, T, Dh), kshape = q.shape, k.shape          # each .shape builds a new torch.Size: read once
     if kshape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(kshape)} and {tuple(v.shape)}")
+        raise UsageError(f"k and v must have the same shape, got {tuple(kshape)} and {tuple(v.shape)}")
     Bk, Hkv, Tk, Dk = kshape
     if (Bk, Tk, Dk) != (B, T, Dh):
-        raise ValueError(f"k/v must be (B={B}, Hkv, T={T}, Dh={Dh}) to match q, got {tuple(kshape)}")
+        raise UsageError(f"k/v must be (B={B}, Hkv, T={T}, Dh={Dh}) to match q, got {tuple(kshape)}")
     if Hkv < 1 or H % Hkv:
-        raise ValueError(f"H ({H}) must be divisible by Hkv ({Hkv})")
+        raise UsageError(f"H ({H}) must be divisible by Hkv ({Hkv})")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise UsageError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise UsageError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
 def _check_distances(distances) -> list[int]:
@@ -53,10 +61,10 @@ def _check_distances(distances) -> list[int]:
     out = set()
     for d in distances:
         if isinstance(d, bool) or not isinstance(d, int) or d < 0:
-            raise ValueError(f"distances must be integers >= 0, got {d!r}")
+            raise UsageError(f"distances must be integers >= 0, got {d!r}")
         out.add(d)
     if 0 not in out:
-        raise ValueError("distances must contain 0 so that every query attends to at least itself")
+        raise UsageError("distances must contain 0 so that every query attends to at least itself")
     return sorted(out)
 
 
@@ -65,7 +73,7 @@ def _scale(scale, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+        raise UsageError(f"scale must be a finite number > 0, got {scale}")
     return scale
 
 
@@ -73,9 +81,9 @@ def _check_alpha(alpha) -> float:
     try:
         value = float(alpha.detach() if isinstance(alpha, torch.Tensor) else alpha)
     except (TypeError, ValueError):
-        raise ValueError(f"alpha must be a positive number or a 0-d tensor, got {alpha!r}") from None
+        raise UsageError(f"alpha must be a positive number or a 0-d tensor, got {alpha!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"alpha must be a finite number > 0, got {value}")
+        raise UsageError(f"alpha must be a finite number > 0, got {value}")
     return value
 
 
@@ -98,46 +106,55 @@ def _reference():
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distances: Sequence[int], *,
-                     scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                     scale: float | None = None, backend: str = "auto",
+                     document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Attention where the query at ``i`` sees keys ``i - d`` for ``d`` in ``distances``.
 
     ``distances`` must contain 0; distances ``>= T`` are simply never valid, so one set
     built at the longest length serves every shorter sequence without rebuilding.
+    ``document_ids`` ``(B, T)``: packed documents; key ``i - d`` is seen only when it lies in
+    query ``i``'s document.
     """
     _check_qkv(q, k, v)
     dists = _check_distances(distances)
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device)
-    if q.shape[2] == 0:
+    T = q.shape[2]
+    off = None if document_ids is None else document_offsets(document_ids, q.shape[0], T, q.device)
+    if T == 0:
         return _empty_like(q)
     if name == "reference":
-        return _reference().sparse_attention(q, k, v, dists, scale)
+        return _reference().sparse_attention(q, k, v, dists, scale, off)
     if name == "flex":
         from . import flex_backend
-        return flex_backend.sparse_attention(q, k, v, dists, scale)
+        return flex_backend.sparse_attention(q, k, v, dists, scale, document_ids)
     if eager.eligible(q, k, v):
-        return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale)
-    return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend)[0]
+        return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale, off)
+    return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend, off)[0]
 
 
 def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, alpha,
                                   base: BaseLike, window: int, reach: int | None = None,
-                                  scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                                  scale: float | None = None, backend: str = "auto",
+                                  document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Fractional distances ``alpha * b`` by linear interpolation of keys and values (method.md §3).
 
     ``alpha`` is a float or a 0-d tensor; gradients reach it through the interpolation
     weights. Equal to :func:`sparse_attention` when every ``alpha * b`` is an integer.
+    ``document_ids`` as in :func:`sparse_attention` (a rung's second tap stops at the
+    document's first token, as it stops at row 0 without documents).
     """
     _check_qkv(q, k, v)
     if not isinstance(alpha, torch.Tensor):
         alpha = torch.tensor(_check_alpha(alpha), dtype=torch.float64)
     if alpha.dim() != 0:
-        raise ValueError(f"alpha must be a float or a 0-d tensor, got shape {tuple(alpha.shape)}")
+        raise UsageError(f"alpha must be a float or a 0-d tensor, got shape {tuple(alpha.shape)}")
     if alpha.device.type == "cpu" and not torch.compiler.is_compiling():
         _check_alpha(alpha)        # free on the host; a CUDA alpha is never read back (no sync)
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device, interpolated=True)
     T = q.shape[2]
+    off = None if document_ids is None else document_offsets(document_ids, q.shape[0], T, q.device)
     # a name or a Base is hashable and immutable (a list or tensor of values is neither); the
     # compiler traces the plain function (T may be symbolic, and it warns about lru_cache)
     cached = isinstance(base, (str, Base)) and isinstance(window, int) and isinstance(reach, (int, type(None))) \
@@ -147,8 +164,10 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         return _empty_like(q) + 0 * alpha.to(q.dtype)
     if name == "reference":
         plan = interpolation_plan(window, float(alpha.detach()), base, T, reach=reach)
-        out = _reference().interpolated_sparse_attention(q, k, v, alpha, plan, scale)
+        out = _reference().interpolated_sparse_attention(q, k, v, alpha, plan, scale, off)
         return out + 0 * alpha.to(out.dtype) if not plan.rungs else out     # alpha stays in the graph
     if eager.eligible(q, k, v, alpha):
-        return eager.attention(name, backend, q, k, v, ColumnSpec(None, window, tuple(values), reach), alpha, scale)
-    return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend)[0]
+        spec = ColumnSpec(None, window, tuple(values), reach)
+        return eager.attention(name, backend, q, k, v, spec, alpha, scale, off)
+    return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend,
+                                                        off)[0]

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from ..checks import BackendUnavailable
+from ..checks import BackendUnavailable, UsageError
 from ..config import BACKENDS
 
 log = logging.getLogger("fibattn")
@@ -51,7 +51,7 @@ def _auto(device: torch.device) -> tuple[str, str | None]:
 
 def check_name(backend: str) -> None:
     if backend not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+        raise UsageError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
 
 
 @torch.compiler.assume_constant_result
@@ -105,7 +105,7 @@ def announce(backend: str, device: torch.device, chosen: str | None = None) -> N
 def kernels(name: str):
     """The module implementing ``forward`` / ``backward`` / ``aux_like`` for resolved backend ``name``."""
     if name not in KERNEL_SETS:
-        raise ValueError(f"backend {name!r} has no fused kernel set (one of {', '.join(KERNEL_SETS)})")
+        raise UsageError(f"backend {name!r} has no fused kernel set (one of {', '.join(KERNEL_SETS)})")
     return _module(name)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import UsageError
 from ..schedules import plan_from_values
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -60,7 +61,7 @@ class Columns:
 
     def __post_init__(self):
         if any(a > b for a, b in zip(self.lo, self.lo[1:])):
-            raise ValueError(f"Columns.lo must be sorted ascending, got {self.lo}")
+            raise UsageError(f"Columns.lo must be sorted ascending, got {self.lo}")
 
 
 def _exact(dists) -> Columns:
@@ -105,37 +106,42 @@ def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)      # skips a no-op .to's dispatch (eager calls are µs-bound)
 
 
-def host_forward(attn_forward, q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None):
+def docs(off) -> dict:
+    return {} if off is None else {"off": off}       # a kernel set is called as before without documents
+
+
+def host_forward(attn_forward, q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None,
+                 off=None):
     """``(out in q's dtype, P)`` through a host kernel set's ``attn_forward`` over Columns
-    (``plan``, or the columns of ``spec`` at ``alpha``)."""
+    (``plan``, or the columns of ``spec`` at ``alpha``); ``off`` the documents' offsets (``documents``)."""
     cd = compute_dtype(q.dtype)
     cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
-    out, P = attn_forward(_to(q, cd), _to(k, cd), _to(v, cd), cols, scale)
+    out, P = attn_forward(_to(q, cd), _to(k, cd), _to(v, cd), cols, scale, **docs(off))
     return _to(out, q.dtype), P
 
 
 def host_backward(attn_backward, dout, q, k, v, out, P, spec: ColumnSpec, alpha, scale: float,
-                  need_dalpha: bool, plan: Columns | None = None):
+                  need_dalpha: bool, plan: Columns | None = None, off=None):
     """``(dq, dk, dv, dalpha or None)`` through a host kernel set's ``attn_backward``; ``plan``
     as in :func:`host_forward` (the eager path hands the forward's columns over)."""
     cd = compute_dtype(q.dtype)
     cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
     args = [_to(x, cd).contiguous() for x in (q, k, v, out, P, dout)]
-    dq, dk, dv, dfrac = attn_backward(*args, cols, scale, need_dfrac=need_dalpha)
+    dq, dk, dv, dfrac = attn_backward(*args, cols, scale, need_dfrac=need_dalpha, **docs(off))
     da = dalpha(dfrac, cols.b, alpha) if need_dalpha else None
     return _to(dq, q.dtype), _to(dk, k.dtype), _to(dv, v.dtype), da
 
 
 def host_interface(attn_forward, attn_backward):
     """``(forward, backward, aux_like, plan)`` of the op interface for a host kernel set's fused
-    pair; ``forward`` / ``backward`` take an optional ``plan=`` (``plan(spec, alpha, T)``'s
+    pair; ``forward`` / ``backward`` take an optional ``off=`` (documents) and ``plan=`` (``plan(spec, alpha, T)``'s
     Columns) so that a caller running both computes the columns once."""
-    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None):
-        return host_forward(attn_forward, q, k, v, spec, alpha, scale, plan)
+    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None, off=None):
+        return host_forward(attn_forward, q, k, v, spec, alpha, scale, plan, off)
 
     def backward(dout, q, k, v, out, aux, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool,
-                 plan: Columns | None = None):
-        return host_backward(attn_backward, dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha, plan)
+                 plan: Columns | None = None, off=None):
+        return host_backward(attn_backward, dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha, plan, off)
 
     def aux_like(q, spec: ColumnSpec):
         """The saved softmax state: ``P`` ``(B, H, T, C)`` in the compute dtype."""

@@ -3,7 +3,7 @@
 Layout and maths as in :mod:`fibattn.ops.torch_backend` (``scores``, ``wsum``, ``wsum_t``
 with rows below 0 clamped to row 0); float32 and float64. Besides the primitives this
 kernel set has a fused forward / backward over *columns* (see ``cpu_kernels.c``), which
-``engine`` uses for both ops.
+``engine`` uses for both ops, optionally masked to packed documents (``off``).
 
 The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (default
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import UsageError
 from .columns import host_interface
 
 name = "cpu"
@@ -35,7 +36,7 @@ log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 9
+_ABI = 10
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -127,7 +128,7 @@ def _kernel(stem: str, dtype: torch.dtype):
     if build.lib is None:
         raise RuntimeError(f"cpu backend unavailable: {build.reason}")
     if dtype not in _SUFFIX:
-        raise ValueError(f"cpu backend kernels take float32 or float64 tensors, got {dtype}")
+        raise UsageError(f"cpu backend kernels take float32 or float64 tensors, got {dtype}")
     return getattr(build.lib, f"{stem}_{_SUFFIX[dtype]}")
 
 
@@ -135,9 +136,9 @@ def _prep(*xs: torch.Tensor) -> list[torch.Tensor]:
     dtype = xs[0].dtype
     for x in xs:
         if x.device.type != "cpu":
-            raise ValueError(f"cpu backend needs CPU tensors, got a tensor on {x.device}")
+            raise UsageError(f"cpu backend needs CPU tensors, got a tensor on {x.device}")
         if x.dtype != dtype:
-            raise ValueError(f"cpu backend needs one dtype, got {dtype} and {x.dtype}")
+            raise UsageError(f"cpu backend needs one dtype, got {dtype} and {x.dtype}")
     return [x.contiguous() for x in xs]
 
 
@@ -186,31 +187,53 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
 @functools.lru_cache(maxsize=64)      # the kernels only read these arrays; building them costs µs per call
 def _columns(cols, dtype):
     if not cols.lo or cols.lo[0] != 0:
-        raise ValueError(f"fused columns must start with distance 0 (every row attends to itself), got {cols.lo}")
+        raise UsageError(f"fused columns must start with distance 0 (every row attends to itself), got {cols.lo}")
     real = _REAL[dtype]
     n = max(len(cols.lo), 1)
     return (_ints(cols.lo), (real * n)(*cols.wlo), (real * n)(*cols.whi),
             (ctypes.c_int * n)(*[int(t) for t in cols.two]))
 
 
-def attn_forward(q, k, v, cols, scale: float):
-    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``); ``P`` is ``(B, H, T, C)``."""
+def _positions(off, q: torch.Tensor):
+    """``off`` (each row's position inside its document, ``(B, T)`` int32; None for one document
+    per row), checked for shape and type; its values are the caller's to check (out-of-range ones
+    would make the kernels read outside k and v)."""
+    if off is None:
+        return None
+    shape = (q.shape[0], q.shape[2])
+    if off.dtype != torch.int32 or off.device.type != "cpu" or tuple(off.shape) != shape:
+        raise UsageError(f"off must be a CPU int32 tensor of shape (B, T) = {shape}, "
+                         f"got {off.dtype} {tuple(off.shape)} on {off.device}")
+    return off.contiguous()
+
+
+def _pointer(x: torch.Tensor | None):
+    return None if x is None else _ptr(x.data_ptr())
+
+
+def attn_forward(q, k, v, cols, scale: float, off=None):
+    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``); ``P`` is ``(B, H, T, C)``.
+    ``off`` (B, T) int32: each row's position inside its document (None: one document per row)."""
     q, k, v = _prep(q, k, v)
+    off = _positions(off, q)
     fn = _kernel("fa_attn_fwd", q.dtype)
     C = len(cols.lo)
     out = torch.empty_like(q)
     P = q.new_empty(*q.shape[:3], C)
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off),
+                    ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
     return out, P
 
 
-def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False):
-    """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``."""
+def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, off=None):
+    """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``;
+    ``off`` as in :func:`attn_forward`."""
     q, k, v, out, P, dout = _prep(q, k, v, out, P, dout)
+    off = _positions(off, q)
     fn = _kernel("fa_attn_bwd", q.dtype)
     C = len(cols.lo)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -218,8 +241,9 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout, P, dS, dq, dk, dv)),
-                    _ptr(dfrac.data_ptr()) if need_dfrac else None, *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), ctypes.c_int(torch.get_num_threads()))
+                    _pointer(dfrac), *_dims(q, k), _i64(C),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off),
+                    ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_bwd could not allocate its scratch buffers")
     else:

@@ -14,6 +14,11 @@
  * a prefix. Invalid columns get probability 0. An integer distance d is the column
  * (lo=d, wlo=1, two=0); an interpolated rung is (lo, 1-frac, frac, two=1).
  *
+ * Packed documents: dpos (B, T) int32, or NULL for one document per row, holds each row's
+ * position inside its document. A row's *limit* is lim = dpos[b, i] (i without documents):
+ * column c is valid when lim >= lo[c], and a tap at distance d reads row i - min(d, lim),
+ * i.e. taps clamp at the document start instead of row 0.
+ *
  * Nothing is scattered: every output row is written by exactly one thread (the gradient
  * of k and v is computed in gather form, y[m] = sum over rows m + d that read row m).
  */
@@ -40,7 +45,18 @@ typedef int64_t i64;
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
 
-int fa_abi_version(void) { return 9; }
+int fa_abi_version(void) { return 10; }
+
+/* ends[b, m]: one past the last row of the document holding row m (a document starts where
+ * dpos is 0); NULL when out of memory. */
+static i64 *fa_doc_ends(const int32_t *dpos, i64 B, i64 T) {
+    i64 *ends = malloc(sizeof(i64) * (B * T > 0 ? B * T : 1));
+    if (ends)
+        for (i64 b = 0; b < B; b++)
+            for (i64 m = T - 1; m >= 0; m--)
+                ends[b * T + m] = m + 1 == T || dpos[b * T + m + 1] == 0 ? m + 1 : ends[b * T + m + 1];
+    return ends;
+}
 
 #define REAL float
 #define FA_RBYTES 4
@@ -320,11 +336,12 @@ static int SFX(taps_init)(SFX(taps_t) *tp, i64 C, const i64 *lo, const REAL *wlo
 
 static void SFX(taps_free)(SFX(taps_t) *tp) { free(tp->off), free(tp->w); }
 
-/* Valid columns of row i (lo ascending). */
-FA_INLINE i64 SFX(nvalid)(i64 i, i64 C, const i64 *lo) {
-    i64 c = 0;
-    while (c < C && lo[c] <= i) c++;
-    return c;
+/* Valid columns of a row with limit lim (lo ascending), from the previous row's count nv:
+ * the limit grows by one per row except at a document start, where the prefix restarts. */
+FA_INLINE i64 SFX(nvalid)(i64 nv, i64 lim, i64 C, const i64 *lo) {
+    if (nv && lo[nv - 1] > lim) nv = 0;
+    while (nv < C && lo[nv] <= lim) nv++;
+    return nv;
 }
 
 /* s[c] = exp(scale * (s[c] - max)) / sum for c < n (n >= 1). */
@@ -364,9 +381,9 @@ static void SFX(softmax)(REAL *restrict s, i64 n, REAL scale) {
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
                             REAL *restrict oi, REAL *restrict pi, const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 i,
-                            i64 nv, i64 D, i64 C, REAL scale) {
+                            i64 lim, i64 nv, i64 D, i64 C, REAL scale) {
     const i64 n = tp->end[nv - 1];
-    for (i64 t = 0; t < n; t++) ws->row[t] = fa_max0(i - tp->off[t]);
+    for (i64 t = 0; t < n; t++) ws->row[t] = i - fa_min(tp->off[t], lim);
     SFX(dots)(qi, kb, ws->row, n, D, ws->d);
     REAL *s = tp->one ? ws->d : ws->s;                  /* scores per column */
     if (!tp->one) {
@@ -388,7 +405,7 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
 /* out = softmax(scale * q.k_cols) . v_cols;  P (B,H,T,C) keeps the probabilities. */
 int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, i64 B, i64 H, i64 Hk,
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
-                     REAL scale, int nt) {
+                     REAL scale, const int32_t *dpos, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
     if (C < 1 || lo[0] != 0 || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return 1;
@@ -402,15 +419,17 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
                 const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
+                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * D, *ph = P + h * T * C;
-                    i64 nv = SFX(nvalid)(i0, C, lo);
+                    i64 nv = 0;
                     for (i64 i = i0; i < i1; i++) {
-                        while (nv < C && lo[nv] <= i) nv++;
-                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &tp, &ws, i, nv, D, C, scale);
+                        const i64 lim = pb ? pb[i] : i;
+                        nv = SFX(nvalid)(nv, lim, C, lo);
+                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &tp, &ws, i, lim, nv, D, C, scale);
                     }
                 }
             }
@@ -426,9 +445,9 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
 FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
                             const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
                             REAL *restrict dsi, REAL *restrict dqi, double *restrict dfrac, const SFX(taps_t) *tp,
-                            SFX(ws_t) *ws, i64 i, i64 nv, i64 D, i64 C, REAL scale) {
+                            SFX(ws_t) *ws, i64 i, i64 lim, i64 nv, i64 D, i64 C, REAL scale) {
     const i64 n = tp->end[nv - 1];
-    for (i64 t = 0; t < n; t++) ws->row[t] = fa_max0(i - tp->off[t]);
+    for (i64 t = 0; t < n; t++) ws->row[t] = i - fa_min(tp->off[t], lim);
     const REAL delta = SFX(dot)(gi, oi, D);
     SFX(dots)(gi, vb, ws->row, n, D, ws->d);          /* dout . v per tap */
     REAL *ds = tp->one ? ws->d : ws->s;                /* dP per column, then dS = P (dP - delta) */
@@ -460,17 +479,21 @@ FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
 
 FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *restrict qh,
                             const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
-                            const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 m, i64 T, i64 D, i64 C, const i64 *lo,
-                            const REAL *whi, const int *two) {
+                            const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 m, int start, i64 end, i64 D, i64 C,
+                            const i64 *lo, const REAL *whi, const int *two) {
+    /* m's document is rows [m - its position, end); only its rows read m */
     i64 n = 0;
     for (; n < tp->n; n++) {                           /* query row m + off reads key row m */
         const i64 i = m + tp->off[n], c = tp->col[n];
-        if (i >= T) break;
+        if (i >= end) break;
         ws->row[n] = i, ws->cf[n] = tp->w[n] * dsh[i * C + c], ws->cf2[n] = tp->w[n] * ph[i * C + c];
     }
-    if (m == 0 && !tp->one)                            /* the second tap of row lo is clamped to row 0 */
-        for (i64 c = 0; c < C && lo[c] < T; c++)
-            if (two[c]) ws->row[n] = lo[c], ws->cf[n] = whi[c] * dsh[lo[c] * C + c], ws->cf2[n] = whi[c] * ph[lo[c] * C + c], n++;
+    if (start && !tp->one)                             /* the second tap of row m + lo is clamped to row m */
+        for (i64 c = 0; c < C && m + lo[c] < end; c++)
+            if (two[c]) {
+                const i64 i = m + lo[c];
+                ws->row[n] = i, ws->cf[n] = whi[c] * dsh[i * C + c], ws->cf2[n] = whi[c] * ph[i * C + c], n++;
+            }
     SFX(gather)(dkm, qh, ws->row, ws->cf, n, D);
     SFX(gather)(dvm, gh_, ws->row, ws->cf2, n, D);
 }
@@ -480,10 +503,12 @@ FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *
 int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
                      const REAL *P, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac, i64 B, i64 H, i64 Hk,
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
-                     REAL scale, int nt) {
+                     REAL scale, const int32_t *dpos, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
-    if (C < 1 || lo[0] != 0 || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return 1;
+    if (C < 1 || lo[0] != 0) return 1;
+    i64 *ends = dpos ? fa_doc_ends(dpos, B, T) : NULL;  /* where each row's document ends */
+    if ((dpos && !ends) || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return free(ends), 1;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
@@ -496,15 +521,17 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
                 const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
+                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
-                    i64 nv = SFX(nvalid)(i0, C, lo);
+                    i64 nv = 0;
                     for (i64 i = i0; i < i1; i++) {
-                        while (nv < C && lo[nv] <= i) nv++;
+                        const i64 lim = pb ? pb[i] : i;
+                        nv = SFX(nvalid)(nv, lim, C, lo);
                         SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + oc + i * C,
-                                     dS + oc + i * C, dq + o + i * D, acc, &tp, &ws, i, nv, D, C, scale);
+                                     dS + oc + i * C, dq + o + i * D, acc, &tp, &ws, i, lim, nv, D, C, scale);
                     }
                 }
             }
@@ -518,14 +545,16 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
             for (i64 blk = 0; blk < nb; blk++) {
                 if (bad) continue;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
+                const i64 *eb = ends ? ends + (bh / Hk) * T : NULL;
                 REAL *dkb = dk + bh * T * D, *dvb = dv + bh * T * D;
                 for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
                     for (i64 m = i0; m < i1; m++)
-                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &tp, &ws, m, T, D,
-                                     C, lo, whi, two);
+                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &tp, &ws, m,
+                                     pb ? pb[m] == 0 : m == 0, eb ? eb[m] : T, D, C, lo, whi, two);
                 }
                 for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= scale;
             }
@@ -536,6 +565,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
         } else SFX(ws_free)(&ws);
     }
     SFX(taps_free)(&tp);
+    free(ends);
     return failed;
 }
 

@@ -1,8 +1,10 @@
 """The fused ops as ``torch.library`` custom ops: what ``torch.compile`` sees.
 
-- ``fibattn::sparse_attention(q, k, v, dists, scale, backend) -> (out, aux)``
+- ``fibattn::sparse_attention(q, k, v, dists, scale, backend, off) -> (out, aux)``
 - ``fibattn::interpolated_sparse_attention(q, k, v, alpha, window, base, reach, scale,
-  backend) -> (out, aux)``
+  backend, off) -> (out, aux)``
+
+(``off``: the packed documents' offsets, ``documents``, or None)
 
 each with a ``..._backward`` op and a registered autograd formula. Under tracing (the
 compiler, functorch, a dispatch mode) the public functions call them through
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .backends import kernel_set
-from .columns import ColumnSpec
+from .columns import ColumnSpec, docs
 
 
 def _spec(dists=None, window=0, base=(), reach=None) -> ColumnSpec:
@@ -43,7 +45,7 @@ def _vmap_rule(op):
     def rule(info, in_dims, *args):
         n = info.batch_size
         per_slice = any(d is not None and isinstance(a, Tensor) and a.dim() == 1 for a, d in zip(args, in_dims))
-        if op is interpolated_backward_op and args[-1] and any(d is not None for d in in_dims):   # need_dalpha
+        if op is interpolated_backward_op and args[-2] and any(d is not None for d in in_dims):   # need_dalpha
             per_slice = True
         if per_slice:
             def one(i):
@@ -65,25 +67,26 @@ def _vmap_rule(op):
 
 # ----------------------------------------------------------------------------- integer op
 @torch.library.custom_op("fibattn::sparse_attention", mutates_args=())
-def sparse_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel_set(backend, q.device).forward(q, k, v, _spec(dists), None, scale)
+def sparse_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, backend: str,
+              off: Tensor | None) -> tuple[Tensor, Tensor]:
+    return kernel_set(backend, q.device).forward(q, k, v, _spec(dists), None, scale, **docs(off))
 
 
 @sparse_op.register_fake
-def _(q, k, v, dists, scale, backend):
+def _(q, k, v, dists, scale, backend, off):
     return q.new_empty(q.shape), kernel_set(backend, q.device, log=False).aux_like(q, _spec(dists))
 
 
 @torch.library.custom_op("fibattn::sparse_attention_backward", mutates_args=())
 def sparse_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, dists: list[int],
-                       scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                       scale: float, backend: str, off: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv, _ = kernel_set(backend, q.device).backward(dout, q, k, v, out, aux, _spec(dists), None, scale,
-                                                          False)
+                                                          False, **docs(off))
     return dq, dk, dv
 
 
 @sparse_backward_op.register_fake
-def _(dout, q, k, v, out, aux, dists, scale, backend):
+def _(dout, q, k, v, out, aux, dists, scale, backend, off):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -105,8 +108,8 @@ class _SparseBackward(torch.autograd.Function):
     backward = _no_double_backward("sparse_attention")
 
     @staticmethod
-    def forward(dout, q, k, v, out, aux, dists, scale, backend):
-        return sparse_backward_op(dout, q, k, v, out, aux, dists, scale, backend)
+    def forward(dout, q, k, v, out, aux, dists, scale, backend, off):
+        return sparse_backward_op(dout, q, k, v, out, aux, dists, scale, backend, off)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -114,17 +117,17 @@ class _SparseBackward(torch.autograd.Function):
 
 
 def _sparse_setup(ctx, inputs, output):
-    q, k, v, dists, scale, backend = inputs
+    q, k, v, dists, scale, backend, off = inputs
     out, aux = output
-    ctx.save_for_backward(q, k, v, out, aux)
+    ctx.save_for_backward(q, k, v, out, aux, off)
     ctx.args = (dists, scale, backend)
     ctx.mark_non_differentiable(aux)
 
 
 def _sparse_grad(ctx, dout, _daux):
-    q, k, v, out, aux = ctx.saved_tensors
-    dq, dk, dv = _SparseBackward.apply(dout, q, k, v, out, aux, *ctx.args)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, aux, off = ctx.saved_tensors
+    dq, dk, dv = _SparseBackward.apply(dout, q, k, v, out, aux, *ctx.args, off)
+    return dq, dk, dv, None, None, None, None
 
 
 sparse_op.register_autograd(_sparse_grad, setup_context=_sparse_setup)
@@ -139,20 +142,20 @@ class SparseAttention(torch.autograd.Function):
     backward = staticmethod(_sparse_grad)
 
     @staticmethod
-    def forward(q, k, v, dists, scale, backend):
-        return sparse_op(q, k, v, dists, scale, backend)
+    def forward(q, k, v, dists, scale, backend, off):
+        return sparse_op(q, k, v, dists, scale, backend, off)
 
 
 # ----------------------------------------------------------------------------- fractional op
 @torch.library.custom_op("fibattn::interpolated_sparse_attention", mutates_args=())
 def interpolated_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, window: int, base: list[int],
-                    reach: int | None, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+                    reach: int | None, scale: float, backend: str, off: Tensor | None) -> tuple[Tensor, Tensor]:
     spec = _spec(None, window, base, reach)
-    return kernel_set(backend, q.device, interpolated=True).forward(q, k, v, spec, alpha, scale)
+    return kernel_set(backend, q.device, interpolated=True).forward(q, k, v, spec, alpha, scale, **docs(off))
 
 
 @interpolated_op.register_fake
-def _(q, k, v, alpha, window, base, reach, scale, backend):
+def _(q, k, v, alpha, window, base, reach, scale, backend, off):
     kern = kernel_set(backend, q.device, interpolated=True, log=False)
     return q.new_empty(q.shape), kern.aux_like(q, _spec(None, window, base, reach))
 
@@ -160,15 +163,15 @@ def _(q, k, v, alpha, window, base, reach, scale, backend):
 @torch.library.custom_op("fibattn::interpolated_sparse_attention_backward", mutates_args=())
 def interpolated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, alpha: Tensor,
                              window: int, base: list[int], reach: int | None, scale: float, backend: str,
-                             need_dalpha: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                             need_dalpha: bool, off: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _spec(None, window, base, reach)
     kern = kernel_set(backend, q.device, interpolated=True)
-    dq, dk, dv, da = kern.backward(dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha)
+    dq, dk, dv, da = kern.backward(dout, q, k, v, out, aux, spec, alpha, scale, need_dalpha, **docs(off))
     return dq, dk, dv, (da if da is not None else alpha.new_zeros(()))
 
 
 @interpolated_backward_op.register_fake
-def _(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha):
+def _(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha, off):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), alpha.new_empty(())
 
 
@@ -177,9 +180,9 @@ class _InterpolatedBackward(torch.autograd.Function):
     backward = _no_double_backward("interpolated_sparse_attention")
 
     @staticmethod
-    def forward(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha):
+    def forward(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend, need_dalpha, off):
         return interpolated_backward_op(dout, q, k, v, out, aux, alpha, window, base, reach, scale, backend,
-                                        need_dalpha)
+                                        need_dalpha, off)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -187,18 +190,18 @@ class _InterpolatedBackward(torch.autograd.Function):
 
 
 def _interp_setup(ctx, inputs, output):
-    q, k, v, alpha, window, base, reach, scale, backend = inputs
+    q, k, v, alpha, window, base, reach, scale, backend, off = inputs
     out, aux = output
-    ctx.save_for_backward(q, k, v, out, aux, alpha)
+    ctx.save_for_backward(q, k, v, out, aux, alpha, off)
     ctx.args = (window, base, reach, scale, backend)
     ctx.mark_non_differentiable(aux)
 
 
 def _interp_grad(ctx, dout, _daux):
-    q, k, v, out, aux, alpha = ctx.saved_tensors
+    q, k, v, out, aux, alpha, off = ctx.saved_tensors
     need = ctx.needs_input_grad[3]
-    dq, dk, dv, da = _InterpolatedBackward.apply(dout, q, k, v, out, aux, alpha, *ctx.args, need)
-    return dq, dk, dv, (da if need else None), None, None, None, None, None
+    dq, dk, dv, da = _InterpolatedBackward.apply(dout, q, k, v, out, aux, alpha, *ctx.args, need, off)
+    return dq, dk, dv, (da if need else None), None, None, None, None, None, None
 
 
 interpolated_op.register_autograd(_interp_grad, setup_context=_interp_setup)
@@ -212,8 +215,8 @@ class InterpolatedSparseAttention(torch.autograd.Function):
     backward = staticmethod(_interp_grad)
 
     @staticmethod
-    def forward(q, k, v, alpha, window, base, reach, scale, backend):
-        return interpolated_op(q, k, v, alpha, window, base, reach, scale, backend)
+    def forward(q, k, v, alpha, window, base, reach, scale, backend, off):
+        return interpolated_op(q, k, v, alpha, window, base, reach, scale, backend, off)
 
 for _op in (sparse_op, sparse_backward_op, interpolated_op, interpolated_backward_op):
     _op.register_vmap(_vmap_rule(_op))

@@ -36,27 +36,32 @@ def eligible(*tensors) -> bool:
 
 
 def attention(name: str, backend: str, q: Tensor, k: Tensor, v: Tensor, spec: ColumnSpec, alpha: Tensor | None,
-              scale: float) -> Tensor:
+              scale: float, off: Tensor | None = None) -> Tensor:
     """The op's output on the kernel set of ``name`` (``backend`` resolved by the caller; ``alpha``
-    None for integer distances); the same numbers as the custom op, bit for bit."""
+    None for integer distances; ``off`` the documents' offsets or None); the same numbers as the
+    custom op, bit for bit."""
     kern = kernels(name)
     announce(backend, q.device, name)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (alpha is not None and alpha.requires_grad)):
-        return Attention.apply(q, k, v, alpha, kern, spec, scale)
-    return kern.forward(q, k, v, spec, alpha, scale)[0]            # nothing to differentiate: no autograd node
+        return Attention.apply(q, k, v, alpha, kern, spec, scale, off)
+    if off is None:                                               # nothing to differentiate: no autograd node
+        return kern.forward(q, k, v, spec, alpha, scale)[0]
+    return kern.forward(q, k, v, spec, alpha, scale, off=off)[0]
 
 
 class Attention(torch.autograd.Function):
     """Either op on kernel set ``kern`` (a module of ``backends``): ``apply(q, k, v, alpha, kern,
-    spec, scale)``, ``alpha`` None for integer distances."""
+    spec, scale, off)``, ``alpha`` None for integer distances, ``off`` None without documents."""
 
     # forward(ctx, ...) rather than setup_context: Function.apply then skips an inspect.signature bind
 
     @staticmethod
-    def forward(ctx, q, k, v, alpha, kern, spec, scale):
+    def forward(ctx, q, k, v, alpha, kern, spec, scale, off):
         plan = getattr(kern, "plan", None)           # triton has none: it plans on the device itself
         ctx.plan = {} if plan is None else {"plan": plan(spec, alpha, q.shape[2])}
+        if off is not None:
+            ctx.plan["off"] = off
         out, aux = kern.forward(q, k, v, spec, alpha, scale, **ctx.plan)
         ctx.save_for_backward(q, k, v, out, aux, alpha)
         ctx.op = (kern, spec, scale)
@@ -74,7 +79,7 @@ class Attention(torch.autograd.Function):
             dq, dk, dv, da = _FirstOrderOnly.apply(spec, grads, dout, q, k, v, alpha)
         else:
             dq, dk, dv, da = grads()
-        return dq, dk, dv, da, None, None, None
+        return dq, dk, dv, da, None, None, None, None
 
 
 class _FirstOrderOnly(torch.autograd.Function):

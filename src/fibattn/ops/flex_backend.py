@@ -2,7 +2,8 @@
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)`` (grouped heads via ``enable_gqa``).
 The block mask comes from a boolean lookup over ``q_idx - kv_idx``; it is built once per
-(distances, T, device) and cached. On CUDA the op runs through ``torch.compile`` (a fused
+(distances, T, device) and cached; with packed documents it also keeps each query inside its
+document (built per call). On CUDA the op runs through ``torch.compile`` (a fused
 kernel). On CPU, torch 2.13 offers only the unfused eager path (it materialises T×T scores)
 and no backward, so there the backend is a forward-only correctness check.
 """
@@ -56,13 +57,28 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _document_mask(dists: tuple[int, ...], document_ids: torch.Tensor):
+    """FlexAttention's document mask: the distance mask, and key and query in one document."""
+    _, create_block_mask = _api()
+    B, T = document_ids.shape
+    allowed = torch.zeros(T, dtype=torch.bool, device=document_ids.device)
+    allowed[torch.tensor(dists, dtype=torch.long, device=document_ids.device)] = True
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        rel = q_idx - kv_idx
+        return (rel >= 0) & allowed[rel.clamp(min=0)] & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+
+    return create_block_mask(mask_mod, B, None, T, T, device=document_ids.device)
+
+
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dists: list[int],
-                     scale: float) -> torch.Tensor:
+                     scale: float, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     T = q.shape[2]
     on_cpu = q.device.type == "cpu"
     if on_cpu and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         raise BackendUnavailable(FLEX_NO_CPU_BACKWARD)
-    mask = _block_mask(tuple(d for d in dists if d < T), T, str(q.device))
+    used = tuple(d for d in dists if d < T)
+    mask = _block_mask(used, T, str(q.device)) if document_ids is None else _document_mask(used, document_ids)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     gqa = k.shape[1] != q.shape[1]
     if not on_cpu:

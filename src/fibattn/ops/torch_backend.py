@@ -89,28 +89,64 @@ def _mixing(cols, T: int, dtype, device):
     return entries, mix.to(device=device, dtype=dtype), diff.to(device=device, dtype=dtype)
 
 
-def _valid(T: int, lo, device) -> torch.Tensor:
-    """``(T, C)`` bool: column ``c`` is usable at row ``i`` when ``i >= lo[c]``."""
-    return torch.arange(T, device=device)[:, None] >= torch.tensor(lo, device=device)[None, :]
+class _Documents:
+    """The band primitives of ``prims`` with every row clamped at its document's start instead of
+    row 0 (``documents``): an entry ``d`` reads row ``i - min(d, off[i])``, so where ``off[i] < d`` it
+    reads the start row — one extra row per position, gathered once."""
+
+    def __init__(self, prims, off: torch.Tensor, entries, group: int):
+        T = off.shape[1]
+        self.prims, self.group = prims, group
+        self.start = torch.arange(T, device=off.device) - off.long()                    # (B, T)
+        self.early = off[:, None, :, None] < torch.tensor(entries, device=off.device)   # (B, 1, T, E)
+
+    def _at_start(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv[b, h // group, start[b, i]]``: ``(B, H, T, D)`` from a key/value head tensor."""
+        idx = self.start[:, None, :, None].expand(kv.shape[0], kv.shape[1], -1, kv.shape[3])
+        rows = kv.gather(2, idx)
+        return rows.repeat_interleave(self.group, dim=1) if self.group > 1 else rows
+
+    def scores(self, q, k, entries, group):
+        s = self.prims.scores(q, k, entries, group)
+        return torch.where(self.early, (q * self._at_start(k)).sum(-1, keepdim=True), s)
+
+    def wsum(self, p, v, entries, group):
+        out = self.prims.wsum(p.masked_fill(self.early, 0), v, entries, group)
+        return out + (p * self.early).sum(-1, keepdim=True) * self._at_start(v)
+
+    def wsum_t(self, p, x, entries, group):
+        out = self.prims.wsum_t(p.masked_fill(self.early, 0), x, entries, group)
+        B, H, T, D = x.shape
+        y = _grouped((p * self.early).sum(-1, keepdim=True) * x, group).sum(2)          # (B, Hkv, T, D)
+        idx = self.start[:, None, :, None].expand(B, H // group, T, D)
+        return out.scatter_add(2, idx, y)
 
 
-def attn_forward(q, k, v, cols, scale: float, prims=None):
-    """``(out, P)``: softmax attention over ``cols`` (``columns.Columns``) from the band
-    primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)``."""
-    prims = prims or _SELF
+def _setup(q, k, cols, prims, off):
     group, T = q.shape[1] // k.shape[1], q.shape[2]
-    entries, mix, _ = _mixing(cols, T, q.dtype, q.device)
+    entries, mix, diff = _mixing(cols, T, q.dtype, q.device)
+    prims = prims or _SELF
+    if off is not None:
+        prims = _Documents(prims, off, entries, group)
+    lo = torch.tensor(cols.lo, device=q.device)[None, :]
+    rows = torch.arange(T, device=q.device)[:, None] if off is None else off[:, None, :, None].long()
+    return prims, group, entries, mix, diff, rows >= lo
+
+
+def attn_forward(q, k, v, cols, scale: float, prims=None, off=None):
+    """``(out, P)``: softmax attention over ``cols`` (``columns.Columns``) from the band
+    primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)``; ``off`` the
+    documents' offsets (``documents``) or None."""
+    prims, group, entries, mix, _, valid = _setup(q, k, cols, prims, off)
     s = (prims.scores(q, k, entries, group) @ mix.t()) * scale
-    s = s.masked_fill(~_valid(T, cols.lo, q.device), float("-inf"))
+    s = s.masked_fill(~valid, float("-inf"))
     P = torch.softmax(s, dim=-1)
     return prims.wsum(P @ mix, v, entries, group), P
 
 
-def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, prims=None):
+def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, prims=None, off=None):
     """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``."""
-    prims = prims or _SELF
-    group, T = q.shape[1] // k.shape[1], q.shape[2]
-    entries, mix, diff = _mixing(cols, T, q.dtype, q.device)
+    prims, group, entries, mix, diff, _ = _setup(q, k, cols, prims, off)
     dp_raw = prims.scores(dout, v, entries, group)
     delta = (dout * out).sum(-1, keepdim=True)
     dS = P * (dp_raw @ mix.t() - delta)

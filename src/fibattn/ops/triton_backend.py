@@ -9,7 +9,9 @@ for its key pass (freed when the backward returns).
 
 One launch per forward (two for the fractional op: its rung plan is computed on the device
 so that ``alpha`` is never read back to the host), two per backward plus the ``alpha``
-gradient's sum. ``T`` is a runtime argument of every kernel.
+gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
+``backward`` take ``off`` (int32 ``(B, T)``, contiguous, on q's device: each position's offset
+in its document; None for one document per row), compiled as a separate kernel variant.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
 set before fibattn first uses this backend): slow, but exact enough to test against the
@@ -25,6 +27,7 @@ import os
 
 import torch
 
+from ..checks import UsageError
 from .columns import ColumnSpec, dalpha
 
 name = "triton"
@@ -76,9 +79,9 @@ def _env_int(key: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{key} must be a power of two, got {raw!r}") from None
+        raise UsageError(f"{key} must be a power of two, got {raw!r}") from None
     if value < 1 or value & (value - 1):
-        raise ValueError(f"{key} must be a power of two, got {value}")
+        raise UsageError(f"{key} must be a power of two, got {value}")
     return value
 
 
@@ -94,7 +97,7 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
     bm = _env_int("FIBATTN_TRITON_BLOCK_M", 16)
     if bm < 16:
-        raise ValueError(f"FIBATTN_TRITON_BLOCK_M must be at least 16 (a tensor-core product's least size), got {bm}")
+        raise UsageError(f"FIBATTN_TRITON_BLOCK_M must be at least 16 (a tensor-core product's least size), got {bm}")
     bn = min(64, max(16, _pow2(bm + window)))
     warps = 4 if bg * bm <= 64 else 8
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, RB=2,
@@ -146,7 +149,7 @@ def _tl_dtype(dtype):
 
 def _prep(*xs):
     if xs[0].dtype not in _DTYPES:
-        raise ValueError(f"triton backend takes float16, bfloat16, float32 or float64 tensors, got {xs[0].dtype}")
+        raise UsageError(f"triton backend takes float16, bfloat16, float32 or float64 tensors, got {xs[0].dtype}")
     return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
 
 
@@ -180,7 +183,7 @@ def _launch(q, hkv, wb):
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
 
 
-def forward(q, k, v, spec: ColumnSpec, alpha, scale: float):
+def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None):
     q, k, v = _prep(q, k, v)
     B, H, T, D = q.shape
     hkv = k.shape[1]
@@ -189,12 +192,13 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float):
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
     grid, dims, opts = _launch(q, hkv, wb)
-    kernels().fwd_kernel[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
-                               T, wb, hkv, H, H // hkv, D, scale * LOG2E, TWO_TAP=two, **dims, **opts)
+    kernels().fwd_kernel[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
+                               T, wb, hkv, H, H // hkv, D, scale * LOG2E, TWO_TAP=two, HAS_DOCS=off is not None,
+                               **dims, **opts)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool):
+def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool, off=None):
     q, k, v, out, dout = _prep(q, k, v, out, dout)
     B, H, T, D = q.shape
     hkv = k.shape[1]
@@ -210,13 +214,14 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     # per (row, head, rung slot); slots past the used rungs are never written
     dfrac = torch.zeros(B * H * T * R if need else 1, dtype=delta.dtype, device=q.device)
     kern = kernels()
-    kern.bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn,
+    docs = off is not None
+    kern.bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn, off,
                              *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
                              T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two, NEED_DFRAC=need,
-                             **dims, **opts)
-    kern.bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
+                             HAS_DOCS=docs, **dims, **opts)
+    kern.bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn, off,
                                *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
+                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two, HAS_DOCS=docs,
                                BLOCK_X=_block_x(dims["BLOCK_G"]), **dims, **opts)
     da = None
     if need_dalpha:
@@ -232,19 +237,20 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- offline compilation
-_POINTERS = {"RLO": "*i32", "RN": "*i32", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
+_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
              "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
 _TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 
 
 def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap: bool,
-                   dtype: str = "bf16") -> list[dict]:
+                   dtype: str = "bf16", docs: bool = False) -> list[dict]:
     """What ``tools/gpu_static.py`` compiles for sm_90 without a device: one dict per kernel of a
     forward + backward (the fractional op's one-program plan launch aside), with ``loop_trips``
     (the trip count of each outermost loop, in source order, for a program of an interior tile),
     ``query_heads`` ((query, head) rows a program serves), ``rows_per_program`` (positions of
     ``T``), ``tensor_flops_per_program`` (its ``tl.dot`` products) and ``bytes_per_program`` (what it
-    reads from and writes to memory once: q/k/v-shaped rows, statistics, the rungs' ``P``/``dS``)."""
+    reads from and writes to memory once: q/k/v-shaped rows, statistics, the rungs' ``P``/``dS``; not
+    the documents' int32 offsets, < 1 % of it). ``docs``: the kernels with documents (``off``)."""
     import triton.language as tl
     kern = kernels()
     cfg = config(group, head_dim, window)
@@ -274,7 +280,8 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
               2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats)]
     res = []
     for fn, kind, extra, trips, flops, nbytes in plans:
-        consts = dict(TWO_TAP=two_tap, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg, **extra)
+        consts = dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg, **extra,
+                      **({} if docs else {"OFF": None}))          # no documents: launched with off=None
         sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
                for a in fn.arg_names}
         sig.update({a: "fp32" for a in ("qk_scale", "sm_scale") if a in sig})
@@ -282,7 +289,9 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
         # (the strides and Dh of the goal setting; T is never specialized)
         aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(fn.arg_names)
                    if sig[a].startswith("*") or (sig[a] == "i32" and (a[0] == "s" or a == "DH") and head_dim % 16 == 0)}
-        res.append(dict(name=fn.__name__ + (" (two-tap)" if two_tap else ""), fn=fn, signature=sig, attrs=aligned,
+        tags = ", ".join(t for t, on in (("two-tap", two_tap), ("documents", docs)) if on)
+        name = fn.__name__ + (f" ({tags})" if tags else "")
+        res.append(dict(name=name, fn=fn, signature=sig, attrs=aligned,
                         constexprs=consts, loop_trips=trips, query_heads=GM, rows_per_program=M,
                         columns=window + 1 + n_rungs, tensor_flops_per_program=flops, bytes_per_program=nbytes,
                         **{"pass": kind}, **opts))

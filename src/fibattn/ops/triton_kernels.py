@@ -34,6 +34,11 @@ tile dots (``dSᵀ·Q``, ``Pᵀ·dO``) and turns the stored rung values into the
 gathered query rows — no second recomputation of rung scores. Every result is written by one
 program: no atomics, deterministic.
 
+**Documents** (``HAS_DOCS``, a compile-time flag: the kernels without it are unchanged): ``OFF``
+``(B, T)`` int32 holds each position's offset in its document, and every rule above that reads
+a query row ``i`` as "keys ``0..i`` exist" reads ``off[i]`` instead: key ``i - d`` is valid when
+``d <= off[i]``, and a second tap is clamped at the document's start (row ``i - min(lo + 1, off[i])``).
+
 Scores are kept in base 2 (``qk_scale = scale · log2 e``); ``lse`` is in those units. ``T``,
 ``WB`` and the rung count are runtime values: a new length never recompiles. docs/gpu.md has
 the compiled code's instruction mix (``tools/gpu_static.py``).
@@ -43,8 +48,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEVER = 1 << 30       # lo of a rung that is never valid (not used at this alpha)
-_NEVER = tl.constexpr(NEVER)
+from .triton_tiles import (
+    _NEVER,
+    NEVER,
+    _doc_off,
+    _dot,
+    _dot_p,
+    _dot_t,
+    _rows,
+    _rung_keys,
+    _softmax_step,
+    _stored,
+    _tile_docs,
+)
+
+__all__ = ["NEVER", "plan_kernel", "fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
 
 
 @triton.jit(do_not_specialize=["CAP"])
@@ -93,88 +111,12 @@ def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
     return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T)
 
 
-@triton.jit
-def _rows(base, offs, offs_d, ok, in_d):
-    """A ``(rows, Dh)`` block: row ``r`` starts at element ``offs[r]`` of ``base``."""
-    return tl.load(base + offs[:, None] + offs_d[None, :], mask=ok[:, None] & in_d[None, :], other=0.0)
-
-
-@triton.jit
-def _dot(a, b, IN: tl.constexpr, DOT: tl.constexpr):
-    """A tensor-core product of operands rounded to the input dtype ``IN``, in ``DOT`` (``IN``
-    itself; float32 under the interpreter for bfloat16, whose products it gets wrong), with
-    exact (not tf32) products for float32."""
-    a = a.to(IN).to(DOT)
-    b = b.to(IN).to(DOT)
-    if DOT == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _dot_p(p, x, IN: tl.constexpr, DOT: tl.constexpr):
-    """``p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
-    half-precision inputs ``p`` goes in as two half-precision parts, ``hi + lo``, so that the
-    output keeps float32 probabilities' accuracy — one rounding at the end — for one more
-    tensor-core product."""
-    if IN == tl.float16 or IN == tl.bfloat16:
-        hi = p.to(IN)
-        return _dot(hi, x, IN, DOT) + _dot(p - hi.to(p.dtype), x, IN, DOT)
-    else:
-        return _dot(p, x, IN, DOT)
-
-
-@triton.jit
-def _dot_t(a, b, IN: tl.constexpr, DOT: tl.constexpr):
-    """``a · bᵀ``."""
-    return _dot(a, tl.trans(b), IN, DOT)
-
-
-@triton.jit
-def _softmax_step(m_i, l_i, acc, s):
-    """One online-softmax update with the ``(rows, N)`` block ``s`` (base 2, -inf where masked):
-    the new max and sum, the rescaled accumulator and the block's probabilities."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    corr = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return m_new, l_i * corr + tl.sum(p, axis=1), acc * corr[:, None], p
-
-
-@triton.jit
-def _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d,
-               TWO_TAP: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rungs ``[r0, r0 + RB)`` as one gathered block of ``RB·M`` key rows: column ``n`` is rung
-    ``r0 + n // M`` at tile row ``mm = n % M``. Returns the first tap's keys and values, the
-    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm`` and
-    whether the column exists. Interpolation is applied to scores and probabilities, not to
-    the rows, so that the products take the inputs' own rows, exact in half precision."""
-    n = tl.arange(0, RB * BLOCK_M)
-    rung = r0 + n // BLOCK_M
-    mm = n % BLOCK_M
-    lo = tl.load(RLO + rung, mask=rung < nr, other=_NEVER)
-    kr = i0 + mm - lo
-    ok = (kr >= 0) & (kr < T)
-    k1 = _rows(kb, kr * skt, offs_d, ok, in_d)
-    v1 = _rows(vb, kr * svt, offs_d, ok, in_d)
-    if TWO_TAP:
-        kr2 = tl.maximum(kr - 1, 0)
-        k2 = _rows(kb, kr2 * skt, offs_d, ok, in_d)
-        v2 = _rows(vb, kr2 * svt, offs_d, ok, in_d)
-        wlo = tl.load(RWLO + rung, mask=rung < nr, other=1.0).to(ACC)
-        whi = tl.load(RWHI + rung, mask=rung < nr, other=0.0).to(ACC)
-        return k1, v1, k2, v2, wlo, whi, mm, ok
-    else:
-        return k1, v1, k1, v1, 1.0, 0.0, mm, ok
-
-
 # ----------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["T", "WB"])
-def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN,
+def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN, OFF,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                T, WB, HKV, H, GROUP, DH, qk_scale,
-               TWO_TAP: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
+               TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, RB: tl.constexpr):
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
@@ -182,6 +124,7 @@ def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN,
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
     q = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, row_ok, in_d).to(IN)
+    orow, ocol = _tile_docs(OFF, b, T, i, i0, HAS_DOCS, RB, BLOCK_M)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
 
@@ -195,13 +138,15 @@ def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN,
         v = _rows(vb, kr * svt, offs_d, kok, in_d)
         d = i[:, None] - kr[None, :]
         ok = (d >= 0) & (d <= WB) & kok[None, :]
+        if HAS_DOCS:
+            ok = ok & (d <= orow[:, None])
         s = tl.where(ok, _dot_t(q, k, IN, DOT).to(ACC) * qk_scale, float("-inf"))
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, s)
         acc += _dot_p(p, v, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                                 # the rungs, RB at a time
         k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
-                                                       in_d, TWO_TAP, ACC, RB, BLOCK_M)
+                                                       in_d, ocol, TWO_TAP, HAS_DOCS, ACC, RB, BLOCK_M)
         ok = (m[:, None] == mm[None, :]) & kok[None, :]
         if TWO_TAP:
             s = wlo[None, :] * _dot_t(q, k1, IN, DOT).to(ACC) + whi[None, :] * _dot_t(q, k2, IN, DOT).to(ACC)
@@ -221,10 +166,10 @@ def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN,
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["T", "R", "WB"])
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN,
+def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN, OFF,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
                   sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
-                  TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, ACC: tl.constexpr,
+                  TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr,
                   IN: tl.constexpr, DOT: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, RB: tl.constexpr):
@@ -243,6 +188,7 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWH
     lse = tl.load(LSE + stat, mask=row_ok, other=0.0).to(ACC)
     q = q.to(IN)
     do = do.to(IN)
+    orow, ocol = _tile_docs(OFF, b, T, i, i0, HAS_DOCS, RB, BLOCK_M)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
 
@@ -254,13 +200,15 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWH
         v = _rows(vb, kr * svt, offs_d, kok, in_d)
         d = i[:, None] - kr[None, :]
         ok = (d >= 0) & (d <= WB) & kok[None, :] & row_ok[:, None]
+        if HAS_DOCS:
+            ok = ok & (d <= orow[:, None])
         p = tl.where(ok, tl.exp2(_dot_t(q, k, IN, DOT).to(ACC) * qk_scale - lse[:, None]), 0.0)
         ds = p * (_dot_t(do, v, IN, DOT).to(ACC) - delta[:, None])
         dq += _dot(ds, k, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):
         k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
-                                                       in_d, TWO_TAP, ACC, RB, BLOCK_M)
+                                                       in_d, ocol, TWO_TAP, HAS_DOCS, ACC, RB, BLOCK_M)
         ok = (m[:, None] == mm[None, :]) & kok[None, :] & row_ok[:, None]
         s1 = _dot_t(q, k1, IN, DOT).to(ACC)
         dp1 = _dot_t(do, v1, IN, DOT).to(ACC)
@@ -288,28 +236,19 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWH
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & in_d[None, :])
 
 
-@triton.jit
-def _stored(Q, DO, PR, DSR, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
-    """Query rows ``i`` of heads ``h`` (gathered ``q`` and ``dout``), with their stored ``dS`` and ``P``
-    of rung ``r``."""
-    ok = ok & (i < T)
-    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)
-    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok, in_d)
-    slot = ((b * H + h) * T + i) * R + r
-    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.load(PR + slot, mask=ok, other=0.0)
-
-
 @triton.jit(do_not_specialize=["T", "R", "WB"])
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN,
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN, OFF,
                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                     T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
-                    TWO_TAP: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
-                    BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                    TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
+                    DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, RB: tl.constexpr, BLOCK_X: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
-    ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0."""
+    ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
+    ``HAS_DOCS``: the same, with each query row's own document offset ``off[i]`` in place of ``i``
+    (a query at offset ``lo`` clamps its second tap onto its first)."""
     b = (tl.program_id(1) // HKV).to(tl.int64)
     hk = tl.program_id(1) % HKV
     j0 = tl.program_id(0) * BLOCK_M
@@ -336,6 +275,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
         delta = tl.load(DELTA + stat, mask=ok_i, other=0.0).to(ACC)
         d = i[None, :] - kr[:, None]                      # (key, query): the products come out as Pᵀ, dSᵀ
         ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]
+        if HAS_DOCS:
+            ok = ok & (d <= _doc_off(OFF, b, T, i, HAS_DOCS)[None, :])
         pt = tl.where(ok, tl.exp2(_dot_t(k, qb, IN, DOT).to(ACC) * qk_scale - lse[None, :]), 0.0)
         dst = pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :])
         dv += _dot_p(pt, dob, IN, DOT)
@@ -356,19 +297,28 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     last = (row == BLOCK_M - 1)[:, None] & (xg < GROUP)[None, :]
     for r in range(0, tl.load(RN)):
         lo = tl.load(RLO + r)
-        qg, dog, ds, p = _stored(Q, DO, PR, DSR, b, h, j0 + m + lo, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt,
+        iq = j0 + m + lo
+        qg, dog, ds, p = _stored(Q, DO, PR, DSR, b, h, iq, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt,
                                  offs_d, in_d)
         if TWO_TAP:
             wlo = tl.load(RWLO + r).to(ACC)
             whi = tl.load(RWHI + r).to(ACC)
-            w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(row[:, None] + 1 == m[None, :],
-                                                                                          whi, 0.0)
+            ix = j0 + BLOCK_M + lo + 0 * xg
+            xlast = last
+            if HAS_DOCS:        # a query at offset lo in its document: both taps on key j (diagonal), none on j - 1
+                oq = _doc_off(OFF, b, T, iq, HAS_DOCS)[None, :]
+                w = tl.where(diag, wlo + whi * (oq == lo).to(ACC), 0.0) + tl.where(
+                    (row[:, None] + 1 == m[None, :]) & (oq > lo), whi, 0.0)
+                xlast = xlast & (_doc_off(OFF, b, T, ix, HAS_DOCS) > lo)[None, :]
+            else:
+                w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(
+                    row[:, None] + 1 == m[None, :], whi, 0.0)
             dk += _dot(w * ds[None, :], qg, IN, DOT)
             dv += _dot_p(w * p[None, :], dog, IN, DOT)
-            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, b, hk * GROUP + xg, j0 + BLOCK_M + lo + 0 * xg, xg < GROUP, r,
+            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, b, hk * GROUP + xg, ix, xg < GROUP, r,
                                        R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d)
-            dk += _dot(tl.where(last, whi * dsx[None, :], 0.0), qx, IN, DOT)
-            dv += _dot_p(tl.where(last, whi * px[None, :], 0.0), dox, IN, DOT)
+            dk += _dot(tl.where(xlast, whi * dsx[None, :], 0.0), qx, IN, DOT)
+            dv += _dot_p(tl.where(xlast, whi * px[None, :], 0.0), dox, IN, DOT)
         else:
             dk += _dot(tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
             dv += _dot_p(tl.where(diag, p[None, :], 0.0), dog, IN, DOT)

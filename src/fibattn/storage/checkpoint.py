@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..checks import UsageError
 from ..files import atomic_write_bytes, atomic_write_text, fsync_dir, listed_file_problem, sha256_file
 from ..locks import try_flock
 from .pins import META, pin, unpin
@@ -44,7 +45,7 @@ _NAME = re.compile(r"^step-(\d+)$")
 RUNTIME_MODEL_KEYS = ("backend", "reach", "max_seq_len")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UsageError):
     """A checkpoint is incomplete or corrupted; the message names the folder and file."""
 
 

@@ -1,7 +1,9 @@
 """``fibattn export RUN OUT/ [--step N] [--force]``: a portable model folder.
 
-Writes ``config.json``, ``model.safetensors``, ``tokenizer.json`` and a ``README.md``
-model card (layout: :mod:`fibattn.storage.pretrained`). Load it back with ``fibattn.from_pretrained(OUT)``.
+Writes ``config.json``, ``model.safetensors``, the run's own tokenizer file (``fibattn_tokenizer.json``, what
+fibattn loads and what ``eval --data`` compares with the data's), ``tokenizer.json`` + ``tokenizer_config.json``
+(transformers' ``AutoTokenizer``: :mod:`fibattn.data.autotokenizer`) and a ``README.md`` model card (layout:
+:mod:`fibattn.storage.pretrained`). Load it back with ``fibattn.from_pretrained(OUT)``.
 
 The folder is built in a hidden staging folder next to ``OUT`` (every file written
 atomically, ``config.json`` last) and renamed into place. A non-empty ``OUT`` is refused
@@ -22,30 +24,33 @@ from pathlib import Path
 from safetensors.torch import save as st_save
 
 from .. import __version__
+from ..checks import UsageError
+from ..data.autotokenizer import hf_tokenizer_files
+from ..files import atomic_write_bytes, atomic_write_text, check_creatable, fsync_dir, naming_os_errors
 from . import checkpoint as ck
 from . import pretrained as hub
 from .runs import EVAL_JSON, read_eval_doc
-from ..files import atomic_write_bytes, atomic_write_text, check_creatable, fsync_dir, naming_os_errors
 
 log = logging.getLogger("fibattn")
 
 
 # ----------------------------------------------------------------------------- gathering
 def _read_run(run_dir, step):
-    """``(model, RunConfig, tokenizer file bytes or None, checkpoint Checkpoint)``; verified."""
+    """``(model, RunConfig, tokenizer, its file's bytes or None, checkpoint Checkpoint)``; verified."""
+    from ..data.tokenizers import parse_tokenizer
     from .runs import checkpoint_config, find_checkpoint, load_run
     path = find_checkpoint(run_dir, step)
     c = ck.Checkpoint.open(path)
     cfg = checkpoint_config(c)
     model, _, _ = load_run(path)
-    tok = None
+    tok, source = None, Path(cfg.data.out_dir) / "tokenizer.json"
     if "tokenizer.json" in c.meta["files"]:
-        tok = c._read("tokenizer.json")
-    elif (Path(cfg.data.out_dir) / "tokenizer.json").is_file():
-        tok = (Path(cfg.data.out_dir) / "tokenizer.json").read_bytes()
+        tok, source = c._read("tokenizer.json"), path / "tokenizer.json"
+    elif source.is_file():
+        tok = source.read_bytes()
     else:
         log.warning("fibattn export: no tokenizer in %s nor in %s; the export has none", path, cfg.data.out_dir)
-    return model, cfg, tok, c
+    return model, cfg, None if tok is None else parse_tokenizer(tok, source), tok, c
 
 
 def _data_manifest(cfg) -> dict | None:
@@ -121,7 +126,8 @@ def _result_lines(doc) -> list[str]:
 
 FIBATTN_LOAD = ["import fibattn", "model = fibattn.from_pretrained(\"PATH\")   # model.tokenizer is attached"]
 FIBATTN_FILES = ("`config.json` (model config, versions, sha256 of every file), `model.safetensors` (weights), "
-                 "`tokenizer.json`. No pickle: only JSON and safetensors are read when loading.")
+                 "`fibattn_tokenizer.json` (fibattn's), `tokenizer.json` / `tokenizer_config.json` "
+                 "(transformers' AutoTokenizer). No pickle: only JSON and safetensors are read when loading.")
 
 
 def model_card(model, cfg, step: int, manifest, eval_doc, *, load=FIBATTN_LOAD, files=FIBATTN_FILES) -> str:
@@ -142,13 +148,13 @@ def _previous_listing(out: Path) -> set[str]:
     try:
         meta = hub.read_meta(out)
     except hub.ExportError as exc:
-        raise ValueError(f"OUT {out} is not empty and is not a readable fibattn export ({exc}); refusing to "
+        raise UsageError(f"OUT {out} is not empty and is not a readable fibattn export ({exc}); refusing to "
                          f"replace anything in it even with --force (choose an empty or new folder)") from None
     names = set(meta["files"]) | {hub.CONFIG}
     for name in sorted(names):
         p = out / name
         if p.is_symlink() or (p.exists() and not p.is_file()):
-            raise ValueError(f"OUT {out}: {name}, listed by the earlier export's {hub.CONFIG}, is not a plain file; "
+            raise UsageError(f"OUT {out}: {name}, listed by the earlier export's {hub.CONFIG}, is not a plain file; "
                              f"refusing to replace it (move it away or choose another folder)")
     return names
 
@@ -156,18 +162,19 @@ def _previous_listing(out: Path) -> set[str]:
 def _check_target(out: Path, force: bool) -> set[str]:
     """Check ``out`` can be written; returns the earlier export's files that may be replaced (empty if none)."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"OUT {out} exists and is not a folder")
+        raise UsageError(f"OUT {out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise ValueError(f"OUT {out} is not empty; pass --force to replace an earlier export")
+            raise UsageError(f"OUT {out} is not empty; pass --force to replace an earlier export")
         if not hub.is_export(out):
-            raise ValueError(f"OUT {out} is not empty and is not a fibattn export; refusing to replace it even "
+            raise UsageError(f"OUT {out} is not empty and is not a fibattn export; refusing to replace it even "
                              f"with --force (choose an empty or new folder)")
         return _previous_listing(out)
     return set()
 
 
-def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: str, source: dict) -> None:
+def _write_folder(stage: Path, model, cfg, step: int, tokenizer, tok: bytes | None, card: str,
+                  source: dict) -> None:
     files: dict = {}
 
     def put(name: str, data: bytes) -> None:
@@ -177,11 +184,13 @@ def _write_folder(stage: Path, model, cfg, step: int, tok: bytes | None, card: s
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     put(hub.WEIGHTS, st_save(state, metadata={"format": "pt", "fibattn_format": str(hub.FORMAT)}))
     if tok is not None:
-        put(hub.TOKENIZER, tok)
+        put(hub.FIBATTN_TOKENIZER, tok)
+        for name, data in hf_tokenizer_files(tokenizer).items():
+            put(name, data)
     put(hub.CARD, card.encode("utf-8"))
     from ..config import to_dict
     meta = {"fibattn_format": hub.FORMAT, "fibattn_version": __version__, "model_type": "fibattn",
-            "model": to_dict(cfg.model), "tokenizer": hub.TOKENIZER if tok is not None else None,
+            "model": to_dict(cfg.model), "tokenizer": hub.FIBATTN_TOKENIZER if tok is not None else None,
             "eval": to_dict(cfg.eval),            # so `fibattn eval EXPORT` scores what `fibattn eval RUN` does
             "alphas": model.alphas(), "num_params": model.num_params(non_embedding=False),
             "source": source, "files": files}
@@ -206,7 +215,7 @@ def _install(stage: Path, out: Path, previous: set[str]) -> None:
         target = out / name
         in_way = name not in previous and (target.exists() or target.is_symlink())
         if in_way and not (target.is_file() and not target.is_symlink() and _same_bytes(target, stage / name)):
-            raise ValueError(f"OUT {out}: {name} is not part of the earlier export (its {hub.CONFIG} does not "
+            raise UsageError(f"OUT {out}: {name} is not part of the earlier export (its {hub.CONFIG} does not "
                              f"list it) and the new export would overwrite it; move it away or choose another "
                              f"folder")
     for name in new:
@@ -224,7 +233,7 @@ def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
     """Write the portable folder ``out_dir`` from ``run_dir`` (a run or checkpoint folder)."""
     out = check_creatable(out_dir, "the export folder (OUT)")
     previous = _check_target(out, force)
-    model, cfg, tok, c = _read_run(run_dir, step)
+    model, cfg, tokenizer, tok, c = _read_run(run_dir, step)
     card = run_card(run_dir, model, cfg, c)
     source = {"run": cfg.name, "step": c.step, "checkpoint_model_sha256": c.meta["files"][ck.MODEL]["sha256"]}
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -234,7 +243,7 @@ def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
             shutil.rmtree(stage)
         stage.mkdir()
         try:
-            _write_folder(stage, model, cfg, c.step, tok, card, source)
+            _write_folder(stage, model, cfg, c.step, tokenizer, tok, card, source)
             _install(stage, out, previous)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)

@@ -8,9 +8,11 @@ Folder layout (``FORMAT`` 1)::
 
     config.json          {"fibattn_format": 1, "fibattn_version", "model_type": "fibattn",
                           "model": <ModelConfig fields>, "files": {name: {"sha256", "bytes"}},
-                          "tokenizer": "tokenizer.json" | null, "source": {...}}
+                          "tokenizer": "fibattn_tokenizer.json" | null, "source": {...}}
     model.safetensors    the FibLM state_dict (plain keys, metadata {"format": "pt"})
-    tokenizer.json       the run's tokenizer (fibattn byte tokenizer or a HF tokenizers file)
+    fibattn_tokenizer.json  the run's tokenizer file, byte for byte (read by fibattn; exports before it named
+                         their copy tokenizer.json, which "tokenizer" still names and fibattn still reads)
+    tokenizer.json, tokenizer_config.json   the same tokenizer for transformers' AutoTokenizer
     README.md            a model card (not read back)
 
 Only JSON and safetensors are read (no pickle anywhere); every file listed in
@@ -32,7 +34,8 @@ try:
 except ImportError:                       # older safetensors
     from safetensors._safetensors_rust import SafetensorError
 
-from ..checks import check_keys
+from ..checks import UsageError, check_keys
+from ..data.tokenizers import EXPORTED_TOKENIZER_FILE
 from ..files import listed_file_problem
 from .foreign import foreign_hint
 from .shapes import load_checked
@@ -41,10 +44,11 @@ FORMAT = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+FIBATTN_TOKENIZER = EXPORTED_TOKENIZER_FILE
 CARD = "README.md"
 
 
-class ExportError(ValueError):
+class ExportError(UsageError):
     """A portable model folder is missing a file, has a corrupted one, or is not an export."""
 
 
@@ -208,13 +212,13 @@ def load_model(path, *, step="latest", device="cpu", model_overrides: list[str] 
     ``max_seq_len``), as ``fibattn generate --set`` takes them."""
     if is_export(path):
         if step != "latest":
-            raise ValueError(f"{path} is an export folder (one fixed step); step must be 'latest', got {step!r}")
+            raise UsageError(f"{path} is an export folder (one fixed step); step must be 'latest', got {step!r}")
         from ..config import RunConfig, apply_overrides
         parsed = apply_overrides(RunConfig(), list(model_overrides or []))
         keys = [item.split("=", 1)[0].strip() for item in model_overrides or []]
         bad = [k for k in keys if not k.startswith("model.")]
         if bad:
-            raise ValueError(f"model_overrides may only set model.reach, model.backend, model.max_seq_len, "
+            raise UsageError(f"model_overrides (generate --set) may only set model.reach, model.backend, model.max_seq_len, "
                              f"got {bad[0]!r}")
         overrides = {k[len("model."):]: getattr(parsed.model, k[len("model."):]) for k in keys}
         bundle = load_pretrained(path, device=device, model_overrides=overrides)

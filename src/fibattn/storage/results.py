@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from ..checks import UsageError
 from ..files import PathError, check_creatable
 
 SCHEMA = """
@@ -49,7 +50,7 @@ STATUSES = ("running", "finished", "failed", "stopped")
 SETTING = "train.results_db"
 
 
-class ResultsDBError(ValueError):
+class ResultsDBError(UsageError):
     """The results database cannot be read or written; the message names the file and the setting."""
 
 
@@ -178,7 +179,7 @@ class ResultsDB:
 
     def finish_run(self, name: str, status: str = "finished") -> None:
         if status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+            raise UsageError(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
         with self._guard(), self.conn:
             self.conn.execute("UPDATE runs SET status=?, finished=? WHERE name=?", (status, time.time(), name))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..checks import UsageError
 from . import checkpoint as ck
 from .foreign import foreign_hint
 from .shapes import load_checked
@@ -95,10 +96,10 @@ def read_eval_doc(path) -> dict | None:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} exists but is not an eval JSON file (not valid JSON: {exc})") from None
+        raise UsageError(f"{path} exists but is not an eval JSON file (not valid JSON: {exc})") from None
     problem = eval_doc_problem(doc)
     if problem:
-        raise ValueError(f"{path} exists but {problem}" if problem.startswith("is ") else f"{path}: {problem}")
+        raise UsageError(f"{path} exists but {problem}" if problem.startswith("is ") else f"{path}: {problem}")
     return doc
 
 
@@ -111,7 +112,7 @@ def parse_step(text, flag: str = "--step"):
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"{flag} must be 'latest' or an integer >= 0, got {text!r}")
+        raise UsageError(f"{flag} must be 'latest' or an integer >= 0, got {text!r}")
     return value
 
 
@@ -121,7 +122,7 @@ def find_checkpoint(run_dir, step="latest") -> Path:
     path = Path(run_dir)
     if (path / ck.META).is_file() or ck._NAME.match(path.name):
         if step != "latest":
-            raise ValueError(f"{path} is a checkpoint folder; step must be 'latest' there, got {step!r}")
+            raise UsageError(f"{path} is a checkpoint folder; step must be 'latest' there, got {step!r}")
         ck.pin(path)              # kept from pruning while read; verify names what is wrong when it is not there
         ck.verify(path)
         return path
@@ -135,7 +136,7 @@ def find_checkpoint(run_dir, step="latest") -> Path:
             raise ck.CheckpointError(f"no complete, verified checkpoint: {ck.none_verifies(root)}")
         return found
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be 'latest' or an integer >= 0, got {step!r}")
+        raise UsageError(f"step must be 'latest' or an integer >= 0, got {step!r}")
     target = ck.step_dir(root, step)
     if not target.is_dir():
         have = ", ".join(str(s) for s, _ in ck.list_checkpoints(root)) or "none"
@@ -175,9 +176,14 @@ def load_run(run_dir, step="latest", *, device="cpu", model_overrides: list[str]
     for item in model_overrides or []:
         key = item.split("=", 1)[0].strip()
         if key not in RUNTIME_KEYS:
-            raise ValueError(f"model_overrides may only set {', '.join(RUNTIME_KEYS)}, got {key!r}")
+            raise UsageError(f"model_overrides (generate --set) may only set {', '.join(RUNTIME_KEYS)}, got {key!r}")
     C.apply_overrides(cfg, list(model_overrides or []))
-    validate_model(cfg.model)
+    try:
+        validate_model(cfg.model)
+    except C.ConfigError as exc:        # an override that does not fit the run's other settings: name it
+        given = ", ".join(map(str, model_overrides or [])) or "none"
+        raise C.ConfigError(f"model_overrides (generate --set) {given} do not fit the checkpoint {path}: {exc}") \
+            from None
     model = FibLM(cfg.model)
     load_checked(model, c.tensors("model"), file=f"checkpoint {path}: file {ck.MODEL}", described=f"its {ck.CONFIG}",
                  error=ck.CheckpointError)

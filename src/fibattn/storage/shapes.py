@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from ..checks import UsageError
+
 
 def expected_shapes(model_cfg) -> dict[str, tuple]:
     """The FibLM tensor shapes of ``model_cfg`` (built on the meta device: nothing allocated)."""
@@ -17,7 +19,7 @@ def expected_shapes(model_cfg) -> dict[str, tuple]:
 
 
 def check_shapes(tensors: dict, expected: dict, *, where: Callable[[str], str] | str, described: str,
-                 error=ValueError, missing: bool = False, extra: bool = False) -> None:
+                 error=UsageError, missing: bool = False, extra: bool = False) -> None:
     """Raise ``error`` naming the tensor, its file (``where``: a file, or a function of the name), both
     shapes and what described the expected one. ``missing``/``extra``: also refuse a tensor only one
     side has (for strict loads; ``--init-from`` reports those against the target model instead)."""
@@ -40,7 +42,7 @@ def check_shapes(tensors: dict, expected: dict, *, where: Callable[[str], str] |
                         + (f" (and {len(more) - 1} more)" if len(more) > 1 else ""))
 
 
-def load_checked(model, tensors: dict, *, file: str, described: str, error=ValueError) -> None:
+def load_checked(model, tensors: dict, *, file: str, described: str, error=UsageError) -> None:
     """``model.load_state_dict(tensors, strict=True)`` after :func:`check_shapes` (one line per problem,
     never torch's multi-line report)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

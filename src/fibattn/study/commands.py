@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from ..checks import UsageError
 from .grid import Grid
 
 
@@ -29,6 +30,11 @@ def _launcher(gpus: int) -> str:
 def commands(grid: Grid, root, kind: str, *, gpus: int = 1, only: str | None = None) -> str:
     """``torchrun`` commands (one per run) or a Slurm array script for ``grid``."""
     root = Path(root)
+    for r in grid.runs:                  # context parallelism splits each run's processes into groups of P
+        P = grid.config(r, root).train.context_parallel
+        if gpus % P:
+            raise UsageError(f"--gpus-per-run {gpus}: run {r.name} sets train.context_parallel={P}; the processes "
+                             f"of a run must be a multiple of it")
     extra = _grid_args(grid, root)
     names = grid.names()
     prep = f"python -m fibattn.cli grid {grid.name} {extra} --prepare-only" + (
@@ -43,7 +49,7 @@ def commands(grid: Grid, root, kind: str, *, gpus: int = 1, only: str | None = N
                          f"--only {r.name}")
         return "\n".join(lines) + "\n"
     if kind != "slurm":
-        raise ValueError(f"--print-commands must be torchrun or slurm, got {kind!r}")
+        raise UsageError(f"--print-commands must be torchrun or slurm, got {kind!r}")
     logs = root.resolve() / "slurm"
     lines = ["#!/bin/bash",
              f"# fibattn grid {grid.name}: one Slurm array task per run ({len(names)} runs) under {root.resolve()}.",

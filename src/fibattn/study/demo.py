@@ -18,6 +18,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from ..checks import UsageError
 from . import report as Rp
 from ..storage import results
 from .report import Check
@@ -144,7 +145,7 @@ def forget_runs(grid, root: Path) -> list[str]:
             made_by_us = (folder / "config.json").is_file() or (folder / "checkpoints").is_dir() or \
                 all(any(fnmatch.fnmatchcase(e.name, pat) for pat in RUN_ENTRIES) for e in folder.iterdir())
             if not made_by_us:
-                raise ValueError(f"--fresh: {folder} does not look like a run folder (no config.json or "
+                raise UsageError(f"--fresh: {folder} does not look like a run folder (no config.json or "
                                  f"checkpoints/); remove it yourself or choose another --root")
             removed.append(run.name)
     # the database first: a bad one fails before anything is deleted

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import config as C
-from ..checks import check_keys
+from ..checks import UsageError, check_keys
 from ..config import ConfigError, RunConfig
 from ..presets import PRESETS, get_preset
 from ..trainer.init_recipe import apply_recipe
-from ..validation import validate
+from ..validation import fit_warmup, given_by_set, validate
+
+log = logging.getLogger("fibattn")
+_SAID: set = set()                    # config() runs for every state, report and run: say each note once
 
 
 def demo_setting() -> list[str]:
@@ -107,7 +111,12 @@ class GridRun:
         cfg.train.out_dir = str(Path(root) / self.name)
         if cfg.train.results_db == "off":
             raise ConfigError("train.results_db=off cannot be used in a grid: the grid records its runs there")
-        return validate(cfg)
+        validate(cfg)
+        note = fit_warmup(cfg.train, given_by_set(extra))     # resolved here: the folder's config.json is compared
+        if note and note not in _SAID:
+            _SAID.add(note)
+            log.info(note)
+        return cfg
 
 
 @dataclass
@@ -225,42 +234,42 @@ def select(runs: list[GridRun], only: str | None) -> list[GridRun]:
         return list(runs)
     patterns = [p.strip() for p in str(only).split(",") if p.strip()]
     if not patterns:
-        raise ValueError(f"--only must hold at least one name pattern (e.g. 'fib_*_w12,dense'), got {only!r}")
+        raise UsageError(f"--only must hold at least one name pattern (e.g. 'fib_*_w12,dense'), got {only!r}")
     names = [r.name for r in runs]
     for p in patterns:
         if not fnmatch.filter(names, p):
-            raise ValueError(f"--only pattern {p!r} matches no run (runs: {', '.join(names)})")
+            raise UsageError(f"--only pattern {p!r} matches no run (runs: {', '.join(names)})")
     return [r for r in runs if any(fnmatch.fnmatchcase(r.name, p) for p in patterns)]
 
 
 def _entry(item, where: str) -> GridRun:
     if not isinstance(item, dict):
-        raise ValueError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
+        raise UsageError(f"{where} must be an object with name, preset, overrides, seed; got {type(item).__name__}")
     check_keys(where, item, ("name", "preset", "overrides", "seed", "init_from", "init_share"))
     name = item.get("name")
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ValueError(f"{where}.name must be 1-100 letters, digits, '_', '-', '.' (not starting with a "
+        raise UsageError(f"{where}.name must be 1-100 letters, digits, '_', '-', '.' (not starting with a "
                          f"punctuation mark), got {name!r}")
     preset = item.get("preset")
     if preset not in PRESETS:
-        raise ValueError(f"{where}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+        raise UsageError(f"{where}.preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     overrides = item.get("overrides", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-        raise ValueError(f"{where}.overrides must be a list of 'section.field=value' strings, got {overrides!r}")
+        raise UsageError(f"{where}.overrides must be a list of 'section.field=value' strings, got {overrides!r}")
     seed = item.get("seed", 42)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"{where}.seed must be an integer >= 0, got {seed!r}")
+        raise UsageError(f"{where}.seed must be an integer >= 0, got {seed!r}")
     init_from = item.get("init_from", "")
     if not isinstance(init_from, str) or (init_from and not NAME_RE.match(init_from)):
-        raise ValueError(f"{where}.init_from must name another run of the grid, got {init_from!r}")
+        raise UsageError(f"{where}.init_from must name another run of the grid, got {init_from!r}")
     share = item.get("init_share", 0.0)
     if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 10 or (share and not init_from):
-        raise ValueError(f"{where}.init_share must be a number in (0, 10], given with init_from; got {share!r}")
+        raise UsageError(f"{where}.init_share must be a number in (0, 10], given with init_from; got {share!r}")
     run = GridRun(name, preset, tuple(overrides), seed, init_from, float(share))
     try:
         run.config("runs")
     except ConfigError as exc:
-        raise ValueError(f"{where} ({name}): {exc}") from None
+        raise UsageError(f"{where} ({name}): {exc}") from None
     return run
 
 
@@ -268,18 +277,18 @@ def load_extension(path) -> list[GridRun]:
     """Runs from a JSON file holding a list of ``{name, preset, overrides, seed}`` objects."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"--extend file {p} does not exist")
+        raise UsageError(f"--extend file {p} does not exist")
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--extend file {p} is not valid JSON: {exc}") from None
+        raise UsageError(f"--extend file {p} is not valid JSON: {exc}") from None
     if not isinstance(data, list) or not data:
-        raise ValueError(f"--extend file {p} must hold a non-empty JSON list of runs, got {type(data).__name__}")
+        raise UsageError(f"--extend file {p} must hold a non-empty JSON list of runs, got {type(data).__name__}")
     runs = [_entry(item, f"{p.name}[{i}]") for i, item in enumerate(data)]
     seen: set[str] = set()
     for r in runs:
         if r.name in seen:
-            raise ValueError(f"--extend file {p} names run {r.name!r} twice")
+            raise UsageError(f"--extend file {p} names run {r.name!r} twice")
         seen.add(r.name)
     return runs
 
@@ -288,18 +297,18 @@ def build_grid(name: str, *, only: str | None = None, extend: str | None = None,
                sets: list[str] | tuple[str, ...] = ()) -> Grid:
     """The named grid, extended by ``extend`` (a JSON file), filtered by ``only``, with ``sets`` for every run."""
     if name not in GRIDS:
-        raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {name!r}")
+        raise UsageError(f"grid must be one of {', '.join(GRIDS)}, got {name!r}")
     grid = GRIDS[name]()
     if extend:
         more = load_extension(extend)
         clash = sorted(set(grid.names()) & {r.name for r in more})
         if clash:
-            raise ValueError(f"--extend file {extend} reuses run name {clash[0]!r} of grid {name}; pick another name")
+            raise UsageError(f"--extend file {extend} reuses run name {clash[0]!r} of grid {name}; pick another name")
         grid.runs = grid.runs + more
         grid.extend_file = str(Path(extend).resolve())
     grid.runs = select(grid.runs, only)
     grid.sets = tuple(sets or ())
     for item in grid.sets:
         if "=" not in item:
-            raise ValueError(f"--set must look like section.field=value, got {item!r}")
+            raise UsageError(f"--set must look like section.field=value, got {item!r}")
     return grid

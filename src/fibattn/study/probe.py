@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..checks import UsageError
 from ..files import atomic_write_text
 from .probe_task import ProbeTask, make_batch
 
@@ -56,6 +57,9 @@ class ProbeModel:
     base_k: int = 15
     a_min: float = 0.5
     a_max: float = 1.5
+
+
+_FLAG = {"steps": "--steps", "batch_size": "--batch-size"}      # the CLI flag of a setting
 
 
 @dataclass
@@ -77,21 +81,21 @@ class ProbeConfig:
         for name in ("steps", "batch_size", "eval_samples"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"probe {name} must be an integer >= 1, got {v!r}")
+                raise UsageError(f"probe {name} must be an integer >= 1 ({_FLAG.get(name, name)}), got {v!r}")
         if not self.depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.depths):
-            raise ValueError(f"probe depths must be integers >= 1, got {self.depths!r}")
+            raise UsageError(f"probe depths must be integers (--depths) >= 1, got {self.depths!r}")
         bad = [s for s in self.starts if s not in STARTS]
         if not self.starts or bad:
-            raise ValueError(f"probe starts must be among {', '.join(STARTS)}, got {list(self.starts)!r}")
+            raise UsageError(f"probe starts must be among {', '.join(STARTS)} (--starts), got {list(self.starts)!r}")
         if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= 1):
-            raise ValueError(f"probe lr must be a number in (0, 1], got {self.lr!r}")
+            raise UsageError(f"probe lr must be a number in (0, 1] (--lr), got {self.lr!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"probe seed must be an integer >= 0, got {self.seed!r}")
+            raise UsageError(f"probe seed must be an integer >= 0 (--seed), got {self.seed!r}")
         self.task.validate()
         try:                                                     # validates the model shape at every depth
             self.model_config(max(self.depths), self.starts[0])
         except ValueError as exc:
-            raise ValueError(f"probe depths (--depths) up to {max(self.depths)}: {exc}") from None
+            raise UsageError(f"probe depths (--depths) up to {max(self.depths)}: {exc}") from None
         self._check_fits()
         return self
 
@@ -137,7 +141,7 @@ def preset(name: str) -> ProbeConfig:
                          n_distractors=24)
         return ProbeConfig(task=task, model=ProbeModel(d_model=128, n_heads=4, window=8), steps=3000,
                            batch_size=64, lr=1e-3, warmup=200, eval_samples=512)
-    raise ValueError(f"--preset must be tiny (= cpu) or paper (= study), got {name!r}")
+    raise UsageError(f"--preset must be tiny (= cpu) or paper (= study), got {name!r}")
 
 
 # ----------------------------------------------------------------------------- training
@@ -284,7 +288,7 @@ def _train_in_worker(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
 def resolve_jobs(jobs: int, cfg: ProbeConfig) -> int:
     """``jobs`` worker processes; ``0`` (auto): one per CPU core up to the number of models, 1 on CUDA."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 0:
-        raise ValueError(f"--jobs must be an integer >= 0 (0: auto), got {jobs!r}")
+        raise UsageError(f"--jobs must be an integer >= 0 (0: auto), got {jobs!r}")
     if jobs:
         return jobs
     n = 1 if cfg.device != "cpu" else max(1, min(os.cpu_count() or 1, len(cfg.depths) * len(cfg.starts)))

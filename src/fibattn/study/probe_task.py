@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..checks import check_int
+from ..checks import UsageError, check_int
 
 
 @dataclass(frozen=True)
@@ -41,27 +41,28 @@ class ProbeTask:
         self.validate()
 
     def validate(self) -> None:
-        check_int("probe seq_len", self.seq_len, 4)
+        check_int("probe seq_len (--seq-len)", self.seq_len, 4)
         check_int("probe n_keys", self.n_keys, 2)
         check_int("probe n_values", self.n_values, max(2, len(self.distances) if self.marked else 2))
         check_int("probe n_filler", self.n_filler, 1)
         check_int("probe n_distractors", self.n_distractors, 0)
         if not self.distances:
-            raise ValueError("probe distances must hold at least one distance")
+            raise UsageError("probe distances must hold at least one distance (--distances)")
         if len(set(self.distances)) != len(self.distances):
-            raise ValueError(f"probe distances must be distinct, got {self.distances}")
+            raise UsageError(f"probe distances must be distinct (--distances), got {self.distances}")
         low = 2 if self.marked else 1
         for d in self.distances:
-            check_int("probe distance", d, low)
+            check_int("probe distance (--distances)", d, low)
             if d + 2 > self.seq_len:
-                raise ValueError(f"probe distance {d} needs seq_len >= {d + 2} (key at q-d-1), got {self.seq_len}")
+                raise UsageError(f"probe distance {d} needs seq_len >= {d + 2} (key at q-d-1), got {self.seq_len}; "
+                                 "raise --seq-len or lower --distances")
         if self.marked:
             ds = sorted(self.distances)
             if any(b - a < 2 for a, b in zip(ds, ds[1:])):
-                raise ValueError(f"marked probe distances must differ by >= 2 (pairs must not overlap), got {ds}")
+                raise UsageError(f"marked probe distances must differ by >= 2 (pairs must not overlap), got {ds}")
         free = self.seq_len - 1 - (1 if self.marked else 0) - 2 * (len(self.distances) if self.marked else 1)
         if 2 * self.n_distractors > free // 2:
-            raise ValueError(f"probe n_distractors={self.n_distractors} is too many for seq_len={self.seq_len}: "
+            raise UsageError(f"probe n_distractors={self.n_distractors} is too many for seq_len={self.seq_len}: "
                              f"at most {free // 4} distractor pairs fit comfortably")
 
     # ------------------------------------------------------------------ vocabulary
@@ -147,7 +148,7 @@ def make_batch(task: ProbeTask, n: int, seed, *, distance: int | None = None) ->
     """
     check_int("probe batch size n", n, 1)
     if distance is not None and distance not in task.distances:
-        raise ValueError(f"probe distance {distance} is not one of the task's distances {task.distances}")
+        raise UsageError(f"probe distance {distance} is not one of the task's distances {task.distances}")
     rng = np.random.default_rng(seed)
     rows, answers, dists, keys = [], [], [], []
     for _ in range(n):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import published as S
-from ..checks import ConfigError
+from ..checks import ConfigError, UsageError
 from .pages import Heading, Image, Table, Text, fmt_pct, fmt_ppl, pct_change  # noqa: F401
 from ..storage.results import eval_ppls
 from ..storage.runs import EVAL_JSON, read_eval_doc
@@ -245,6 +245,7 @@ def _eval_doc(run_dir: Path) -> dict:
 
 def collect(grid, root) -> list[RunResult]:
     """Every run of ``grid`` under ``root`` with its evaluation (runs without results have empty ``ppl``)."""
+    from ..eval.modes import mode_name
     from .runner import db_path
     out = []
     for run in grid.runs:
@@ -252,7 +253,7 @@ def collect(grid, root) -> list[RunResult]:
         m = cfg.model
         r = RunResult(run.name, variant_of(m), None if m.attention == "dense" else m.window, cfg.train.seed,
                       m.seq_len, model=m, steps=cfg.train.steps, init_from=run.init_from)
-        mode = cfg.eval.reach
+        mode = mode_name("none", cfg.eval.reach, documents=cfg.eval.document_masking)
         for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode):
             r.ppl[(dataset, length)] = ppl
         doc = _eval_doc(Path(cfg.train.out_dir))
@@ -279,7 +280,7 @@ def _baselines(run, cfg) -> list[RunResult]:
     for dm in cfg.eval.dense_modes:
         r = RunResult(f"{run.name} + {BASELINE_LABELS.get(dm, dm)}", f"dense+{dm}", None, cfg.train.seed, m.seq_len,
                       model=m, steps=cfg.train.steps, mode=dm)
-        for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode_name(dm, cfg.eval.reach)):
+        for dataset, length, ppl in eval_ppls(db_path(cfg), run.name, mode_name(dm, cfg.eval.reach, documents=cfg.eval.document_masking)):
             r.ppl[(dataset, length)] = ppl
         rows.append(r)
     return rows
@@ -369,7 +370,7 @@ def build_report(grid, root, out=None, *, datasets: list[str] | None = None, plo
     if datasets:
         bad = [d for d in datasets if d not in found]
         if bad:
-            raise ValueError(f"--datasets: no results for {bad[0]!r} (evaluated: {', '.join(found) or 'none'})")
+            raise UsageError(f"--datasets: no results for {bad[0]!r} (evaluated: {', '.join(found) or 'none'})")
     out.mkdir(parents=True, exist_ok=True)                 # only once the request is known to make sense
     ds = list(datasets or found)
     images = report_plots.draw_all(primary([r for r in results if r.ppl]), ds, out) if plot else []

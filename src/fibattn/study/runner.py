@@ -116,9 +116,10 @@ def eval_plan(cfg: RunConfig) -> list[tuple[str, str, list[int]]]:
     reach = eval_reach(cfg)
     dense = cfg.model.attention == "dense"
     own = list(cfg.eval.lengths) + ([] if dense else [n for n in cfg.eval.sparse_lengths if n not in cfg.eval.lengths])
-    plan = [("none", reach, own)]
+    docs = cfg.eval.document_masking
+    plan = [("none", mode_name("none", reach, documents=docs), own)]
     if dense:
-        plan += [(m, mode_name(m, reach), list(cfg.eval.lengths)) for m in cfg.eval.dense_modes]
+        plan += [(m, mode_name(m, reach, documents=docs), list(cfg.eval.lengths)) for m in cfg.eval.dense_modes]
     return plan
 
 

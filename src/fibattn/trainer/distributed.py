@@ -8,10 +8,14 @@ on CPU) and each process uses ``cuda:LOCAL_RANK`` (or the CPU). Without them, or
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import logging
 import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +76,11 @@ def pick_device(t: TrainConfig, local_rank: int, world_size: int) -> torch.devic
 
 def init(t: TrainConfig) -> DistInfo:
     """Read torchrun's variables, pick the device, create the process group if needed."""
+    return connect(plan(t))
+
+
+def plan(t: TrainConfig) -> DistInfo:
+    """Read torchrun's variables and pick the device; no process group yet."""
     world = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
@@ -81,7 +90,12 @@ def init(t: TrainConfig) -> DistInfo:
     device = pick_device(t, local_rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    info = DistInfo(rank, world, local_rank, local_world, device)
+    return DistInfo(rank, world, local_rank, local_world, device)
+
+
+def connect(info: DistInfo) -> DistInfo:
+    """Create the process group of a :func:`plan` with more than one process (nccl on CUDA, else gloo)."""
+    world, rank, device = info.world_size, info.rank, info.device
     if world > 1 and not tdist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
@@ -206,3 +220,70 @@ def peer_lost(info: DistInfo, exc: BaseException) -> RankError | None:
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
     return RankError(f"rank {info.rank} of {info.world_size} stops: another process of this job died or stopped "
                      f"(its own line, or torchrun's report, names the cause): {first[:200]}")
+
+
+# ------------------------------------------------------------------------------ before the process group exists
+START_TIMEOUT_S = 1800.0          # as long as the process group's own rendezvous waits
+_rounds = iter(range(1 << 62))    # every rank passes the same starting() blocks in the same order
+
+
+@contextlib.contextmanager
+def starting():
+    """Wrap what a rank checks before its process group exists (the config, the files). Under torchrun the
+    ranks then agree on the outcome through torchrun's own store, before any of them waits in the group's
+    rendezvous: a rank that refused raises its own error; every other rank raises a :class:`RankError`
+    naming that rank and its cause; a rank that torchrun stops meanwhile (another one died) says so, instead
+    of hanging or dying silently. Nothing in one process, or without torchrun's agent store."""
+    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    if world <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        yield
+        return
+    prefix = (f"fibattn/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+              f"/start{next(_rounds)}")
+    old = _on_sigterm(rank, world)
+    error = None
+    try:
+        yield
+    except Exception as exc:          # noqa: BLE001 - passed on to the other ranks, then re-raised here
+        error = exc
+    try:
+        store = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                               timeout=datetime.timedelta(seconds=60))
+        store.set(f"{prefix}/{rank}", "ok" if error is None else "refused " + _one_line(error))
+        if error is None:
+            _wait_for_peers(store, prefix, rank, world)
+    except Exception:                 # noqa: BLE001 - the store failing must not hide this rank's own error
+        if error is None:
+            raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    if error is not None:
+        raise error
+
+
+def _on_sigterm(rank: int, world: int):
+    """torchrun stops the other ranks with SIGTERM when one fails: say so in one line (the old handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stopped(signum, frame):
+        raise RankError(f"rank {rank} of {world} stops: torchrun stopped it because another process of this job "
+                        f"failed before training started (its own line, or torchrun's report, names the cause)")
+    return signal.signal(signal.SIGTERM, stopped)
+
+
+def _wait_for_peers(store, prefix: str, rank: int, world: int) -> None:
+    """Poll (sleeping in Python, so that SIGTERM is handled at once) until every other rank reported."""
+    pending, deadline = [r for r in range(world) if r != rank], time.monotonic() + START_TIMEOUT_S
+    while pending:
+        for r in [r for r in pending if store.check([f"{prefix}/{r}"])]:
+            said = store.get(f"{prefix}/{r}").decode("utf-8", "replace")
+            if said != "ok":
+                raise RankError(f"rank {r} of {world} refused before training started, so rank {rank} stops too: "
+                                f"{said.removeprefix('refused ')}")
+            pending.remove(r)
+        if pending and time.monotonic() > deadline:
+            raise RankError(f"rank {rank} of {world} stops: rank {pending[0]} did not start within "
+                            f"{START_TIMEOUT_S:g} s")
+        time.sleep(0.05)

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..checks import UsageError
 from ..config import ConfigError
 from ..files import atomic_write_text
 from ..storage.results import ResultsDB, ResultsDBError
@@ -115,7 +116,7 @@ def metrics_to_keep(path, after_step: int) -> tuple[list[str], str | None]:
     if not path.exists():
         return [], None
     if not path.is_file():
-        raise ValueError(f"{path} is not a file (the run's metrics log)")
+        raise UsageError(f"{path} is not a file (the run's metrics log)")
     text = path.read_bytes().decode("utf-8", errors="replace")
     lines = text.split("\n")
     numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
@@ -126,7 +127,7 @@ def metrics_to_keep(path, after_step: int) -> tuple[list[str], str | None]:
             if i == len(numbered) - 1:
                 torn = line
                 break
-            raise ValueError(f"{path}: line {n} is not a metrics record (a JSON object with an integer 'step'); "
+            raise UsageError(f"{path}: line {n} is not a metrics record (a JSON object with an integer 'step'); "
                              f"repair the line or move the file away, then resume")
         if rec.get("step", 0) <= after_step:
             keep.append(line.strip())

@@ -59,7 +59,8 @@ def check_fits(cfg: RunConfig, device: torch.device) -> None:
     """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate."""
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
-    V.check_training_fits(cfg.model, t.micro_batch, bf16, device)
+    V.check_training_fits(cfg.model, t.micro_batch, bf16, device, checkpointing=t.activation_checkpointing,
+                          context=t.context_parallel)
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
@@ -105,6 +106,17 @@ def accum_steps(cfg: RunConfig, world: int) -> int:
     log.info("fibattn: batch %d tokens = %d process(es) x %d micro-batch(es) x %d sequences x %d tokens",
              t.batch_tokens, world, per_rank // micro, micro, T)
     return per_rank // micro
+
+
+def document_kwargs(masking: bool, data, field: str = "train.document_masking"):
+    """``kwargs(x)`` for the model's forward on a batch ``x``: its packed documents, each ended by the
+    data's ``<eos>`` (method.md §8), when ``masking``; nothing otherwise."""
+    from ..data.loader import masking_eos
+    from ..ops.documents import document_ids_from_eos
+    eos = masking_eos(masking, data, field)
+    if eos is None:
+        return lambda x: {}
+    return lambda x: {"document_ids": document_ids_from_eos(x, eos)}
 
 
 def load_data(cfg: RunConfig, dist: D.DistInfo):

@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .. import config as C
+from ..checks import UsageError
 from ..config import ConfigError, RunConfig
 from ..files import check_creatable
 from ..locks import check_unlocked
-from ..validation import validate
+from ..validation import fit_warmup, validate
 from ..model.lm import FibLM
 from ..ops.backends import check_model_runs
 from ..storage.init_source import describe, load_into
@@ -44,10 +44,11 @@ from ..storage.results import check_db_path, resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
 from .init_weights import open_init
+from .batches import BatchForward, build_mesh, validation_losses
 from .logs import MetricSinks, ProgressBar, progress_line
 from .optim import build_optimizer, lr_at, param_names, set_lr
-from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, load_data, lock_run, prepare_out_dir,
-                    run_lock_path, seed_all, set_threads, tokenizer_file, warn_disk_space)
+from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, document_kwargs, load_data, lock_run,
+                    prepare_out_dir, run_lock_path, seed_all, set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -76,7 +77,8 @@ class Trainer:
         t = cfg.train
         self.out = Path(t.out_dir)
         check_model_runs(cfg.model, dist.device, grad=True)
-        self.accum = accum_steps(cfg, dist.world_size)
+        self.mesh = build_mesh(cfg, dist)                # data x context parallel ranks
+        self.accum = accum_steps(cfg, self.mesh.dp_size)
         check_fits(cfg, dist.device)
         self.lock = None                             # the run folder's writer lock, taken in run()
         with D.together(dist, "checking train.out_dir"):
@@ -97,19 +99,27 @@ class Trainer:
         if self.data.vocab_size > cfg.model.vocab_size:
             raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
                               f"vocabulary ({self.data.vocab_size}); set model.vocab_size >= {self.data.vocab_size}")
-        self.model = FibLM(cfg.model).to(dist.device)
+        sources = (getattr(self.data, "manifest", None) or {}).get("sources") or []
+        if sources and hasattr(self.data, "train_tokens"):      # a step past the whole data: unbounded, meaningless
+            have = sum(self.data.train_tokens(src["name"]) for src in sources)
+            if t.batch_tokens > have:
+                raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) is more than the training data holds ({have} "
+                                  f"tokens in {getattr(self.data, 'path', 'the data')}): one step would read it "
+                                  f"{t.batch_tokens / max(have, 1):.3g} times over; set train.batch_tokens <= {have}")
+        self.model = FibLM(cfg.model).to(dist.device).set_activation_checkpointing(t.activation_checkpointing)
         self.names = param_names(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, t)
         with D.together(dist, "verifying the training shards"):
             self.loader = self.data.train_loader(cfg.model.seq_len, t.micro_batch, seed=t.seed,
-                                                 rank=dist.rank, world_size=dist.world_size)
+                                                 rank=self.mesh.dp_rank, world_size=self.mesh.dp_size)
         self.autocast = autocast_for(t.precision, dist.device)
         self.step, self.tokens, self.skipped, self.bad, self.elapsed = 0, 0, 0, 0, 0.0
         self.stop_requested = False          # set by SIGTERM on this process
         self.stop_agreed = False             # any rank asked to stop (all-reduced each step)
         self.resumed_from: Path | None = None
         self.tokenizer_file = tokenizer_file(self.data)
+        self.forward = BatchForward(self.model, self.mesh, document_kwargs(t.document_masking, self.data))
 
     # ------------------------------------------------------------------ resume / wrap
     def resume(self, resume: str) -> None:
@@ -161,7 +171,7 @@ class Trainer:
             sync = self.dist.distributed and i < self.accum - 1
             with (self.fwd.no_sync() if sync else contextlib.nullcontext()):
                 with self.autocast():
-                    _, loss = self.fwd(x, y)
+                    loss = self.forward(self.fwd, x, y)[0]
                 if self.loss_hook is not None:
                     loss = self.loss_hook(self.step + 1, loss)
                 (loss / self.accum).backward()
@@ -180,32 +190,8 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         return loss_v, float(gnorm), ok
 
-    # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Mean token loss on the first ``train.eval_tokens`` tokens of every validation split."""
-        model, T, mb = self.eval_model, self.cfg.model.seq_len, self.cfg.train.micro_batch
-        model.eval()
-        out = {}
-        for name in self.data.val_names:
-            head = self.data.val_tokens(name)[: self.cfg.train.eval_tokens + 1]
-            toks = torch.from_numpy(np.array(head, dtype=np.int64))
-            n = (len(toks) - 1) // T
-            seqs = [(i * T, T) for i in range(n)] or ([(0, len(toks) - 1)] if len(toks) > 1 else [])
-            mine = seqs[self.dist.rank::self.dist.world_size]
-            acc = torch.zeros(2, dtype=torch.float64, device=self.dist.device)
-            for j in range(0, len(mine), mb):
-                chunk = mine[j:j + mb]
-                x = torch.stack([toks[s:s + L] for s, L in chunk]).to(self.dist.device)
-                y = torch.stack([toks[s + 1:s + 1 + L] for s, L in chunk]).to(self.dist.device)
-                with self.autocast():
-                    _, loss = model(x, y)
-                acc += torch.stack([loss.double() * y.numel(), torch.tensor(float(y.numel()), device=acc.device,
-                                                                             dtype=torch.float64)])
-            D.all_reduce_sum(self.dist, acc)
-            if acc[1] > 0:
-                out[name] = float(acc[0] / acc[1])
-        return out
+        return validation_losses(self)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
@@ -354,16 +340,24 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
     (1-based, as logged) before backward.
     """
     if not isinstance(cfg, RunConfig):
-        raise ValueError(f"train() expects a fibattn.config.RunConfig, got {type(cfg).__name__}")
+        raise UsageError(f"train() expects a fibattn.config.RunConfig, got {type(cfg).__name__}")
     if not isinstance(resume, (str, Path)) or not str(resume):
-        raise ValueError(f"resume must be 'auto', 'never' or a checkpoint folder, got {resume!r}")
+        raise UsageError(f"resume must be 'auto', 'never' or a checkpoint folder, got {resume!r}")
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
-        raise ValueError(f"stop_at must be an integer >= 1, got {stop_at!r}")
-    cfg = validate(copy.deepcopy(cfg))
-    if str(resume) not in ("auto", "never"):
-        S.ck.verify(Path(resume))            # a bad --resume fails before the data is prepared
-    init = open_init(cfg, str(resume))       # so does a source that does not fit the model
-    dist = D.init(cfg.train)
+        raise UsageError(f"stop_at must be an integer >= 1, got {stop_at!r}")
+    with D.starting():                       # under torchrun: a rank's refusal here reaches every rank
+        cfg = validate(copy.deepcopy(cfg))
+        note = fit_warmup(cfg.train)         # the CLI refused a given one; a preset's is cut to the run
+        if note:
+            log.info(note)
+        if str(resume) not in ("auto", "never"):
+            try:
+                S.ck.verify(Path(resume))    # a bad --resume fails before the data is prepared
+            except S.ck.CheckpointError as exc:     # named as the flag the user gave
+                raise S.ck.CheckpointError(f"--resume {resume}: {exc}") from None
+        init = open_init(cfg, str(resume))   # so does a source that does not fit the model
+        dist = D.plan(cfg.train)
+    dist = D.connect(dist)
     trainer = None
     old = None
     try:

@@ -1,0 +1,124 @@
+"""Tile-level building blocks of the ``triton`` kernels (:mod:`fibattn.ops.triton_kernels`):
+row gathers, tensor-core products, the online-softmax step, the rungs' gathered key blocks and
+the key pass's stored rung values. Imported only through ``triton_kernels`` (after
+``TRITON_INTERPRET`` is settled).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEVER = 1 << 30       # lo of a rung that is never valid (not used at this alpha)
+_NEVER = tl.constexpr(NEVER)
+
+
+@triton.jit
+def _rows(base, offs, offs_d, ok, in_d):
+    """A ``(rows, Dh)`` block: row ``r`` starts at element ``offs[r]`` of ``base``."""
+    return tl.load(base + offs[:, None] + offs_d[None, :], mask=ok[:, None] & in_d[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, IN: tl.constexpr, DOT: tl.constexpr):
+    """A tensor-core product of operands rounded to the input dtype ``IN``, in ``DOT`` (``IN``
+    itself; float32 under the interpreter for bfloat16, whose products it gets wrong), with
+    exact (not tf32) products for float32."""
+    a = a.to(IN).to(DOT)
+    b = b.to(IN).to(DOT)
+    if DOT == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_p(p, x, IN: tl.constexpr, DOT: tl.constexpr):
+    """``p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
+    half-precision inputs ``p`` goes in as two half-precision parts, ``hi + lo``, so that the
+    output keeps float32 probabilities' accuracy — one rounding at the end — for one more
+    tensor-core product."""
+    if IN == tl.float16 or IN == tl.bfloat16:
+        hi = p.to(IN)
+        return _dot(hi, x, IN, DOT) + _dot(p - hi.to(p.dtype), x, IN, DOT)
+    else:
+        return _dot(p, x, IN, DOT)
+
+
+@triton.jit
+def _dot_t(a, b, IN: tl.constexpr, DOT: tl.constexpr):
+    """``a · bᵀ``."""
+    return _dot(a, tl.trans(b), IN, DOT)
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, s):
+    """One online-softmax update with the ``(rows, N)`` block ``s`` (base 2, -inf where masked):
+    the new max and sum, the rescaled accumulator and the block's probabilities."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    corr = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return m_new, l_i * corr + tl.sum(p, axis=1), acc * corr[:, None], p
+
+
+@triton.jit
+def _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, oc,
+               TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """Rungs ``[r0, r0 + RB)`` as one gathered block of ``RB·M`` key rows: column ``n`` is rung
+    ``r0 + n // M`` at tile row ``mm = n % M``. Returns the first tap's keys and values, the
+    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm`` and
+    whether the column exists. Interpolation is applied to scores and probabilities, not to
+    the rows, so that the products take the inputs' own rows, exact in half precision.
+    ``HAS_DOCS``: ``oc`` is each column's row's offset in its document; a key before the
+    document start does not exist, and the second tap is clamped at that start."""
+    n = tl.arange(0, RB * BLOCK_M)
+    rung = r0 + n // BLOCK_M
+    mm = n % BLOCK_M
+    lo = tl.load(RLO + rung, mask=rung < nr, other=_NEVER)
+    kr = i0 + mm - lo
+    ok = (kr >= 0) & (kr < T)
+    if HAS_DOCS:
+        ok = ok & (oc >= lo)
+    k1 = _rows(kb, kr * skt, offs_d, ok, in_d)
+    v1 = _rows(vb, kr * svt, offs_d, ok, in_d)
+    if TWO_TAP:
+        if HAS_DOCS:
+            kr2 = kr - (oc > lo).to(tl.int32)
+        else:
+            kr2 = tl.maximum(kr - 1, 0)
+        k2 = _rows(kb, kr2 * skt, offs_d, ok, in_d)
+        v2 = _rows(vb, kr2 * svt, offs_d, ok, in_d)
+        wlo = tl.load(RWLO + rung, mask=rung < nr, other=1.0).to(ACC)
+        whi = tl.load(RWHI + rung, mask=rung < nr, other=0.0).to(ACC)
+        return k1, v1, k2, v2, wlo, whi, mm, ok
+    else:
+        return k1, v1, k1, v1, 1.0, 0.0, mm, ok
+
+
+@triton.jit
+def _stored(Q, DO, PR, DSR, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
+    """Query rows ``i`` of heads ``h`` (gathered ``q`` and ``dout``), with their stored ``dS`` and ``P``
+    of rung ``r``."""
+    ok = ok & (i < T)
+    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)
+    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok, in_d)
+    slot = ((b * H + h) * T + i) * R + r
+    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.load(PR + slot, mask=ok, other=0.0)
+
+
+@triton.jit
+def _doc_off(OFF, b, T, i, HAS_DOCS: tl.constexpr):
+    """``off[b, i]``: position ``i``'s offset in its document (0 past ``T``); without documents
+    ``i`` itself, read from nowhere."""
+    if HAS_DOCS:
+        return tl.load(OFF + b * T + i, mask=i < T, other=0)
+    else:
+        return i
+
+
+@triton.jit
+def _tile_docs(OFF, b, T, i, i0, HAS_DOCS: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A query tile's document offsets: per tile row (rows ``i``) and per rung-block column
+    (:func:`_rung_keys`' column ``n`` serves tile row ``n % M``)."""
+    return _doc_off(OFF, b, T, i, HAS_DOCS), _doc_off(OFF, b, T, i0 + tl.arange(0, RB * BLOCK_M) % BLOCK_M, HAS_DOCS)

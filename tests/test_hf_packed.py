@@ -1,0 +1,159 @@
+"""Padding-free packed batches (``DataCollatorWithFlattening``: one row, positions restarting at each document,
+``cu_seq_lens_*``) in the transformers drop-in and the ``export --format hf`` remote code: every document gets
+the logits of its own unpadded call."""
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fibattn  # noqa: E402
+from fibattn.interop import hf_llama as H  # noqa: E402
+from fibattn.interop.hf_export import export_hf  # noqa: E402
+from test_export_hf_remote import make_run  # noqa: E402
+
+LENGTHS = (13, 1, 30, 7, 21)
+ATOL = RTOL = 1e-5
+# integer alphas; fractional ones (rounded); pow2 with alpha < 1, whose set gains short distances with the
+# length (one set cannot serve every document); a reach cap
+SETTINGS = [dict(window=2, base="fib:8", schedule="fixed", alpha=1.0),
+            dict(window=3, schedule="linear", a_min=0.5, a_max=1.5),
+            dict(window=2, base="pow2", schedule="fixed", alpha=0.5),
+            dict(window=1, schedule="coprime", reach_len=16)]
+
+
+def llama(**fib):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   attn_implementation="sdpa")
+    return H.apply_fibattn(transformers.LlamaForCausalLM(cfg).eval(), **fib)
+
+
+def documents(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+
+
+def flattened(docs, **kw):
+    """What DataCollatorWithFlattening makes of ``docs``: input_ids, labels, position_ids (and kw's extras)."""
+    return transformers.DataCollatorWithFlattening(**kw)([{"input_ids": d.tolist()} for d in docs])
+
+
+def recording(calls):
+    """fibattn's op, noting the document_ids of each call."""
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("document_ids"))
+        return fibattn.sparse_attention(*args, **kwargs)
+    return spy
+
+
+def separate(model, docs):
+    with torch.no_grad():
+        return torch.cat([model(d[None]).logits[0] for d in docs])
+
+
+@pytest.mark.parametrize("fib", SETTINGS)
+def test_flattened_batch_gives_each_documents_own_logits(fib, monkeypatch):
+    model, docs = llama(**fib), documents()
+    want = separate(model, docs)
+    calls = []
+    monkeypatch.setattr(H, "sparse_attention", recording(calls))
+    with torch.no_grad():
+        for kw, extra in [(dict(), dict()),                                         # position_ids alone
+                          (dict(return_flash_attn_kwargs=True), dict()),            # and cu_seq_lens_*
+                          (dict(), dict(use_cache=False)),          # transformers' block-diagonal mask too
+                          (dict(return_flash_attn_kwargs=True, return_position_ids=False), dict())]:
+            batch = flattened(docs, **kw)
+            batch.pop("labels")
+            torch.testing.assert_close(model(**batch, **extra).logits[0], want, atol=ATOL, rtol=RTOL)
+    # the op with documents wherever one set serves every document; pow2 at alpha 0.5 takes the pattern
+    assert all(ids is not None for ids in calls)
+    assert len(calls) == (0 if fib.get("base") == "pow2" else 4 * 2)
+
+
+def test_training_loss_and_gradients_match_separate_documents():
+    model, docs = llama(**SETTINGS[1]), documents((9, 17, 11))
+    batch = flattened(docs, return_flash_attn_kwargs=True)
+    model.train()
+    model(**batch).loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # the collator's labels: each document's first token predicts nothing; the mean is over every label
+    n = sum(len(d) - 1 for d in docs)
+    sum(model(d[None], labels=d[None]).loss * (len(d) - 1) / n for d in docs).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("fib", [SETTINGS[0], SETTINGS[2]])
+def test_packed_rows_with_padding(fib):
+    """Two packed rows, one right-padded, one left-padded, with an attention mask: every document its own logits."""
+    model, docs = llama(**fib), documents((13, 9, 6, 11))
+    zeros = torch.zeros(9, dtype=torch.long)
+    x = torch.stack([torch.cat([docs[0], docs[1], zeros[:4]]), torch.cat([zeros, docs[2], docs[3]])])
+    mask = torch.stack([torch.arange(26) < 22, torch.arange(26) >= 9]).long()
+    # the pads: positions continuing the last document (right) or all zero (left)
+    pos = torch.stack([torch.cat([torch.arange(13), torch.arange(13)]),
+                       torch.cat([zeros, torch.arange(6), torch.arange(11)])])
+    want = separate(model, docs)
+    with torch.no_grad():
+        out = model(x, attention_mask=mask, position_ids=pos).logits
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(torch.cat([out[0, :22], out[1, 9:]]), want, atol=ATOL, rtol=RTOL)
+
+
+def test_cu_seq_lens_are_preferred_and_checked():
+    model, docs = llama(**SETTINGS[0]), documents((10, 12))
+    want = separate(model, docs)
+    x = torch.cat(docs)[None]
+    cu = torch.tensor([0, 10, 22], dtype=torch.int32)
+    with torch.no_grad():       # positions that do not restart: the documents are the cu_seq_lens' alone
+        got = model(x, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12).logits[0]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+        with pytest.raises(ValueError, match="cu_seq_lens"):
+            model(x.expand(2, -1), cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=12, max_length_k=12)
+
+
+# --------------------------------------------------------------------------------------------- remote code
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory):
+    """FibLM runs (fib; pow2, whose layer-0 set at alpha 0.5 grows with the length) exported with ``--format hf``
+    and loaded with ``trust_remote_code`` from the folder, in this process: its modules in a cache of their own."""
+    root = tmp_path_factory.mktemp("hf-packed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(root / "modules"))
+        mp.syspath_prepend(str(root / "modules"))
+        models = {}
+        for base in ("fib", "pow2"):
+            run = make_run(root / base, base=base)
+            folder = export_hf(run, root / f"{base}-hf")
+            models[base] = (fibattn.from_pretrained(run).eval(),
+                            transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval())
+        yield models
+    for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("base", ["fib", "pow2"])
+@pytest.mark.parametrize("op", [True, False], ids=["fibattn op", "own pattern"])
+def test_remote_code_packed(remote, base, op, monkeypatch):
+    fib, model = remote[base]
+    # the attention function is registered by name: the last folder loaded serves both models
+    attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    code = sys.modules[attention.__module__]
+    assert code.__name__.startswith("transformers_modules")          # the folder's copy, not fibattn's template
+    calls = []
+    monkeypatch.setattr(code, "sparse_attention", recording(calls) if op else None)   # None: as where fibattn is not installed
+    docs = documents((20, 3, 40, 9))
+    with torch.no_grad():
+        want = torch.cat([fib(d[None])[0] for d in docs])
+        batch = flattened(docs, return_flash_attn_kwargs=True)
+        batch.pop("labels")
+        torch.testing.assert_close(model(**batch).logits[0], want, atol=ATOL, rtol=RTOL)
+        got = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    # fib: one set serves every document, the op runs with them; pow2 at alpha 0.5 (layer 0): the pattern
+    assert len(calls) == (0 if not op else 2 * (2 if base == "fib" else 1))
+    assert all(ids is not None for ids in calls)
