@@ -126,6 +126,7 @@ def test_a_context_split_that_does_not_fit_is_refused_before_anything_is_written
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_eval_under_torchrun_with_context_parallel_matches_one_process(tmp_path, tiny_data):
     import json
     import subprocess

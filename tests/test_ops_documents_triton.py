@@ -59,19 +59,19 @@ SHAPES = {"g2": dict(H=2, Hkv=1), "g2-hkv2": dict(H=4, Hkv=2)}     # a group of 
 
 
 @pytest.mark.parametrize("dists,shape,rows", [
-    ((0, 2, 3, 5, 8, 13, 21), "g2", SPLITS[:2]),
-    ((0, 1, 2, 3, 5, 8, 13, 21), "g2-hkv2", SPLITS[2:]),
-], ids=["W0", "W3"])
+    pytest.param((0, 2, 3, 5, 8, 13, 21), "g2", SPLITS[:2], id="W0"),
+    pytest.param((0, 1, 2, 3, 5, 8, 13, 21), "g2-hkv2", SPLITS[2:], id="W3", marks=pytest.mark.slow),
+])
 def test_integer_packed_equals_separate(device, dists, shape, rows):
     q, k, v, dout = make(B=len(rows), T=37, Dh=16, seed=1, device=device, **SHAPES[shape])
     check(q, k, v, dout, ColumnSpec(dists), None, rows, **FP32)
 
 
 @pytest.mark.parametrize("window,alpha,shape,rows", [
-    (0, 1.37, "g2", SPLITS[:2]),
-    (3, 1.37, "g2-hkv2", SPLITS[2:]),
-    (2, 2.0, "g2", SPLITS[1:3]),
-], ids=["W0", "W3", "W2-integer-alpha"])
+    pytest.param(0, 1.37, "g2", SPLITS[:2], id="W0"),
+    pytest.param(3, 1.37, "g2-hkv2", SPLITS[2:], id="W3", marks=pytest.mark.slow),    # the interpreter: ~10 s
+    pytest.param(2, 2.0, "g2", SPLITS[1:3], id="W2-integer-alpha"),
+])
 def test_interpolated_packed_equals_separate(device, window, alpha, shape, rows):
     """Two-tap rungs (lo 1, 2, 4, 6, 10, 17, 28 at 1.37): a query at offset ``lo`` in its document
     reads its first tap twice; d alpha of the packed call is the sum of the documents'."""
