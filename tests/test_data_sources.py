@@ -70,7 +70,7 @@ def test_files_txt_jsonl_parquet_and_folder(tmp_path):
     assert _files(tmp_path / "d" / "b" / "rows.parquet") == TEXTS
     shutil.copy(FIX / "sample.jsonl", tmp_path / "d" / "a.jsonl")
     shutil.copy(FIX / "sample.txt", tmp_path / "d" / "c.txt")
-    (tmp_path / "d" / "ignored.csv").write_text("x,y\n")
+    (tmp_path / "d" / "ignored.bin").write_bytes(b"\x89PNG\0\1")     # binary: skipped (and said, see test_selection)
     got = _files(tmp_path / "d")                                      # a.jsonl, b/rows.parquet, c.txt
     assert got == TEXTS + TEXTS + [(FIX / "sample.txt").read_text()]
     assert _files(tmp_path / "d", text_field="meta", max_docs=3) == ["a", "b", "empty documents are skipped"]
@@ -79,11 +79,11 @@ def test_files_txt_jsonl_parquet_and_folder(tmp_path):
 def test_files_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"data.sources\[0\].path .* does not exist"):
         _files(tmp_path / "missing")
-    (tmp_path / "x.csv").write_text("a")
-    with pytest.raises(ConfigError, match=r"must end in one of"):
-        _files(tmp_path / "x.csv")
+    (tmp_path / "x.bin").write_bytes(b"a\0b")
+    with pytest.raises(ConfigError, match=r"x\.bin' is not a text file \(binary"):
+        _files(tmp_path / "x.bin")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no .txt, .jsonl, .parquet files"):
+    with pytest.raises(ConfigError, match="is a folder with no file to read"):
         _files(tmp_path / "empty")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2 is not valid JSON"):

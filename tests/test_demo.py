@@ -95,7 +95,7 @@ def test_demo_micro_end_to_end(tmp_path, capsys):
     # the dense baselines of the same model, and the sparse model's extra length, in the extrapolation table
     for row in ("| dense + RoPE linear |", "| dense + RoPE NTK |", "| dense + YaRN |", "| dense + sliding window |"):
         assert row in out
-    assert "| fib_stagger | " in out and "8192 (256×)" in out and "Beyond the training length" in out
+    assert "| fib linear (stagger) | " in out and "8192 (256×)" in out and "Beyond the training length" in out
     assert "dense + YaRN" not in out.split("Headline check")[1]           # the headline judges the runs themselves
     import sqlite3
     db = sqlite3.connect(root / "results.sqlite")
@@ -106,7 +106,7 @@ def test_demo_micro_end_to_end(tmp_path, capsys):
     assert out.count("done, skipped") == 2 and "step 1/3" not in out
     assert cli_main(args + ["--only", "dense", "--fresh"]) == 0      # forgets and retrains dense only
     out = capsys.readouterr().out
-    assert "--fresh: removed 1 earlier run(s)" in out and "step 3/3" in out and "fib_stagger" not in out
+    assert "--fresh: removed 1 earlier run(s)" in out and "step 3/3" in out and "| fib linear (stagger) |" not in out
 
 
 def test_extrapolation_lines_state_the_numbers():

@@ -65,6 +65,8 @@ for name, folder in args["folders"].items():
                            return_dict_in_generate=True, output_logits=True)
             res[f"{name}/{key}"] = g.sequences[0, inp.shape[1]:]
             res[f"{name}/{key}_logits"] = torch.cat(g.logits)
+            cache = getattr(g, "cache", None) or g.past_key_values
+            res[f"{name}/{key}_cache"] = torch.tensor(int(type(cache).__name__ == "FibattnCache"))
     tok = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
     res[f"{name}/tok"] = torch.tensor(tok("ROMEO: what light")["input_ids"])
 torch.save(res, args["out"])
@@ -144,7 +146,7 @@ def test_remote_code_without_fibattn_equals_the_fiblm(exports, ids, without_fiba
     fib, _ = exports[name]
     res = {k.split("/", 1)[1]: v for k, v in without_fibattn.items() if k.startswith(name + "/")}
     assert res["plain"].item() == 0                   # refused, naming trust_remote_code: never a dense model
-    assert res["fast"].item() == 0                    # fibattn was not importable: the masked path ran
+    assert res["fast"].item() == 0                    # fibattn was not importable: the gathered columns ran
     with torch.no_grad():
         for key, x in ids.items():                   # 1× and 4× the training length
             torch.testing.assert_close(res[key], fib(x), atol=ATOL, rtol=RTOL)
@@ -157,6 +159,7 @@ def test_remote_code_without_fibattn_equals_the_fiblm(exports, ids, without_fiba
     for key in ("gen", "gen_padded"):
         torch.testing.assert_close(res[f"{key}_logits"], logits, atol=ATOL, rtol=RTOL)
         assert res[key].tolist() == tokens.tolist()
+        assert res[f"{key}_cache"].item() == 1        # the export's own constant-memory cache, without fibattn
     assert res["tok"].tolist() == fib.tokenizer.encode("ROMEO: what light")
 
 

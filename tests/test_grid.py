@@ -23,7 +23,14 @@ def test_paper_grid_names_and_settings():
     matrix += [f"logsparse_stagger_w{w}" for w in (6, 8, 10, 12)] + ["logsparse_w8"]
     reps = [f"{n}_s{s}" for s in (43, 44) for n in ("fib_fixed_w12", "fib_learned_w12", "fib_stagger_w12",
                                                      "fib_hdc_w12", "logsparse_stagger_w12")]
-    assert len(matrix) == 21 and sorted(names) == sorted(matrix + ["dense"] + reps) and len(set(names)) == len(names)
+    controls = [f"window_{k}_w{w}" for w in (6, 8, 10, 12) for k in ("rungs_off", "matched")]
+    assert len(matrix) == 21 and sorted(names) == sorted(matrix + ["dense"] + reps + controls)
+    assert len(set(names)) == len(names)
+    for w, matched in ((6, 16), (8, 18), (10, 19), (12, 21)):      # fib K=15 linear 0.5..1.5 at 1024
+        m = _cfg(grid, f"window_rungs_off_w{w}").model
+        assert (m.attention, m.base, m.schedule, m.window) == ("sparse", "none", "fixed", w)
+        m = _cfg(grid, f"window_matched_w{w}").model
+        assert (m.base, m.window) == ("none", matched)
     m = _cfg(grid, "fib_hdc_w10").model
     assert (m.attention, m.schedule, m.window, m.base) == ("sparse", "coprime", 10, "fib")
     m = _cfg(grid, "logsparse_w8").model
@@ -43,8 +50,12 @@ def test_paper_grid_names_and_settings():
 
 def test_demo_grid_uses_demo_setting():
     grid = G.demo_grid()
-    assert grid.names() == ["dense", "fib_fixed", "fib_learned", "fib_stagger", "fib_hdc", "logsparse",
-                            "logsparse_stagger"]
+    assert grid.names() == ["dense", "fib_fixed", "fib_learned", "fib_stagger", "fib_hdc", "window_rungs_off",
+                            "window_matched", "logsparse", "logsparse_stagger"]
+    # the controls: the demo's W, no rungs; and the fib linear model's 9.4 columns per query at T=32 -> W 8
+    assert [(_cfg(grid, n).model.base, _cfg(grid, n).model.window) for n in grid.names()[5:7]] == \
+        [("none", 6), ("none", 8)]
+    assert G.control_title("window_matched") == "window (matched cost)" and G.control_title("fib_fixed") is None
     c = _cfg(grid, "fib_stagger", "/r")
     setting = dict(s.split("=", 1) for s in G.demo_setting())
     assert c.model.seq_len == int(setting["model.seq_len"]) and c.train.steps == int(setting["train.steps"])
@@ -127,7 +138,7 @@ def test_print_commands_slurm(capsys, tmp_path):
     assert cli_main(["grid", "paper", "--root", str(tmp_path / "p"), "--print-commands", "slurm"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0] == "#!/bin/bash" and "#SBATCH --array=0-31" in lines and "#SBATCH --gpus=1" in lines
+    assert lines[0] == "#!/bin/bash" and "#SBATCH --array=0-39" in lines and "#SBATCH --gpus=1" in lines
     first_cmd = next(i for i, ln in enumerate(lines) if not ln.startswith("#"))
     assert max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH")) < first_cmd
     runs = lines[lines.index("RUNS=(") + 1: lines.index(")")]

@@ -1,5 +1,6 @@
 """lm-evaluation-harness adapter: scores equal the model's own log-probs; generation stops at `until`."""
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -142,9 +143,10 @@ def test_harness_model_registered(tmp_path):
     assert lm_run.max_length == 16
 
 
-def test_shipped_local_task_runs_offline(tmp_path, monkeypatch):
+def test_shipped_local_task_runs_offline(tmp_path, monkeypatch, caplog):
     """The local YAML task shipped in examples/lm_eval (docs/ecosystem.md): lm-eval's bits_per_byte equals
-    the model's own rolling log-likelihood over the shipped documents."""
+    the model's own rolling log-likelihood over the shipped documents, and loading it warns of no metric left
+    without an aggregation or a higher_is_better."""
     pytest.importorskip("lm_eval")
     import math
     import yaml
@@ -165,9 +167,66 @@ def test_shipped_local_task_runs_offline(tmp_path, monkeypatch):
     (tmp_path / "tasks" / "task.yaml").write_text(yaml.safe_dump(shipped))
     run, model = _run_folder(tmp_path / "run")
     out = export_run(run, tmp_path / "exp")
-    res = lm_eval.simple_evaluate(model="fibattn", model_args=f"path={out},max_length=64", tasks=[shipped["task"]],
-                                  device="cpu", task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
+    harness = logging.getLogger("lm_eval")          # it may stop propagating to the root logger caplog watches
+    harness.addHandler(caplog.handler)
+    try:
+        res = lm_eval.simple_evaluate(model="fibattn", model_args=f"path={out},max_length=64",
+                                      tasks=[shipped["task"]], device="cpu",
+                                      task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
+    finally:
+        harness.removeHandler(caplog.handler)
+    unset = [r.getMessage() for r in caplog.records if "aggregation" in r.getMessage()
+             or "higher_is_better" in r.getMessage()]
+    assert unset == []
     bpb = res["results"][shipped["task"]]["bits_per_byte,none"]
     ref = FibScorer(model, ByteTokenizer(), 64)
     nll = -sum(ref.loglikelihood_rolling(d) for d in docs)
     assert bpb == pytest.approx(nll / sum(len(d.encode()) for d in docs) / math.log(2), rel=1e-5)
+
+
+def _local_task(tmp_path):
+    """The shipped local task, its data path absolute and its datasets cache in ``tmp_path``: (folder, name, docs)."""
+    import yaml
+    root = Path(__file__).resolve().parents[1]
+    shipped = yaml.safe_load((root / "examples" / "lm_eval" / "shakespeare_tail.yaml").read_text())
+    data = root / shipped["dataset_kwargs"]["data_files"]["test"]
+    shipped["dataset_kwargs"] = {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "cache")}
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "task.yaml").write_text(yaml.safe_dump(shipped))
+    return tmp_path / "tasks", shipped["task"], [json.loads(line)["text"] for line in data.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_lm_evals_own_command_line_on_both_exports(tmp_path):
+    """What lm-eval users type (docs/ecosystem.md §2): the ``lm_eval`` command with ``--model hf`` on a
+    ``--format hf`` export (trust_remote_code; needs accelerate, in the ``eval`` extra), and ``--model fibattn``
+    through ``python -m fibattn.interop.lm_eval_adapter``: both report the model's own bits per byte."""
+    pytest.importorskip("lm_eval")
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    import math
+    import os
+    import subprocess
+    import sys
+    from fibattn.interop.hf_export import export_hf
+    from fibattn.storage.export import export_run
+    tasks, name, docs = _local_task(tmp_path)
+    run, model = _run_folder(tmp_path / "run")
+    ref = FibScorer(model, ByteTokenizer(), 64)
+    want = -sum(ref.loglikelihood_rolling(d) for d in docs) / sum(len(d.encode()) for d in docs) / math.log(2)
+    lm_eval_cmd = Path(sys.executable).with_name("lm_eval")
+    commands = {
+        "hf": [str(lm_eval_cmd), "--model", "hf", "--model_args",
+               f"pretrained={export_hf(run, tmp_path / 'hf')},trust_remote_code=True,max_length=64,dtype=float32"],
+        "fibattn": [sys.executable, "-m", "fibattn.interop.lm_eval_adapter", "--model", "fibattn", "--model_args",
+                    f"path={export_run(run, tmp_path / 'exp')},max_length=64"]}
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    for key, cmd in commands.items():
+        out = tmp_path / f"out-{key}"
+        r = subprocess.run(cmd + ["--include_path", str(tasks), "--tasks", name, "--device", "cpu", "--batch_size",
+                                  "1", "--output_path", str(out)], env=env, capture_output=True, text=True,
+                           timeout=900, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "aggregation is not" not in r.stderr and "higher_is_better is not" not in r.stderr
+        res = json.loads(next(out.rglob("results*.json")).read_text())
+        assert res["results"][name]["bits_per_byte,none"] == pytest.approx(want, rel=1e-4), key

@@ -83,7 +83,7 @@ def test_bpe_vocabulary_comes_from_the_folder(mytext, capsys):
 def test_own_sources_never_go_into_the_presets_folder(mytext, capsys):
     run(capsys, ["prepare", "--files", "mytext.txt"])
     run(capsys, ["prepare", "--set", 'data.sources=[{"name": "x", "kind": "files", "path": "mytext.txt"}]'])
-    assert sorted(p.name for p in Path("data").iterdir()) == ["mytext", "x"]
+    assert sorted(p.name for p in Path("data").iterdir()) == [".gitignore", "mytext", "x"]     # data/ was new
 
 
 def test_data_with_data_settings_or_a_missing_folder_is_refused(mytext, capsys):

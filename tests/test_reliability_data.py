@@ -392,7 +392,7 @@ def _files_source(path) -> list:
 
 
 @pytest.mark.parametrize("name, content, needle", [
-    ("a.txt", b"fine\n\xff\xfe broken", "a.txt is not valid UTF-8 text"),
+    ("a.txt", b"fine\n\xff\xfe broken", "not UTF-8 text: a.txt"),      # in a folder: skipped, and said
     ("a.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "a.jsonl:2 is not valid UTF-8 text"),
 ])
 def test_source_not_utf8_is_named(tmp_path, capsys, name, content, needle):

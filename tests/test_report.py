@@ -41,13 +41,14 @@ def synthetic():
 
 def test_main_table_places_cells():
     t = Rp.main_table(synthetic(), ["fineweb_edu", "wikipedia"])
-    assert t.header == ["W", "fixed", "learned", "linear (stagger)", "coprime (HDC)", "pow2 + linear"]
+    assert t.header == ["W", "fixed", "learned", "linear (stagger)", "coprime (HDC)", "pow2 linear",
+                        "window (rungs off)", "window (matched cost)"]
     assert [row[0] for row in t.rows] == ["6", "12"]
     assert t.rows[0][1] == "44.00 / 40.00" and t.rows[0][3] == "43.00 / 38.50" and t.rows[0][2] == "—"
     assert t.rows[1][3] == "40.00 / 36.00"              # seed 42 run, not the replicates
     assert t.rows[1][4] == "42.10 / 37.70" and t.rows[1][5] == "42.70 / 38.50"
     assert (0, 3) in t.bold and (1, 3) in t.bold        # lowest FW in each row
-    assert "dense: 33.00 / 27.00" in t.note and "pow2 + fixed, W=8: 44.80 / 40.90" in t.note
+    assert "dense: 33.00 / 27.00" in t.note and "pow2 fixed, W=8: 44.80 / 40.90" in t.note
     assert "1024" in t.title and "FW / WP" in t.title
 
 
@@ -76,7 +77,7 @@ def test_study_comparison_shows_the_study_numbers():
 def test_seed_table():
     t = Rp.seed_table(synthetic(), ["fineweb_edu", "wikipedia"])
     assert t.header == ["model", "seed 42", "seed 43", "seed 44", "FW mean ± sd"]
-    assert t.rows == [["linear, W=12", "40.00 / 36.00", "41.00 / 37.00", "42.00 / 38.00", "41.00 ± 1.00"]]
+    assert t.rows == [["fib linear (stagger), W=12", "40.00 / 36.00", "41.00 / 37.00", "42.00 / 38.00", "41.00 ± 1.00"]]
 
 
 def test_headline_check_pass_fail():
@@ -140,8 +141,9 @@ def test_report_end_to_end_from_database(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Perplexity at the training length" in out and "report.html" in out
     md = (root / "report" / "report.md").read_text()
-    assert "| dense | 10.00 | 20.00 (+100.0 %) |" in md and f"| {W} | **11.00** | 12.00 | 13.00 | 14.00 | 16.00 |" in md
-    assert "| fib_hdc | 14.00 | 14.56 | +4.0 % | within ±5 % | PASS | +1.2 … +4.2 % |" in md
+    assert "| dense | 10.00 | 20.00 (+100.0 %) |" in md and f"| {W} | **11.00** | 12.00 | 13.00 | 14.00 | 18.00 | 15.00 | 16.00 |" in md
+    assert "| fib coprime (HDC) | 14.00 | 14.56 | +4.0 % | within ±5 % | PASS | +1.2 … +4.2 % |" in md
+    assert f"{len(grid.runs)} of {len(grid.runs)} runs evaluated." in md
     assert "fib_learned: largest move from start: layer 3" in md and "PASS" in md and "Ours vs the study" not in md
     for png in ("ppl_vs_length.png", "per_position_loss.png", "alphas.png", "distances.png"):
         assert (root / "report" / png).is_file() and f"]({png})" in md

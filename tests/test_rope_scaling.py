@@ -135,13 +135,12 @@ def test_none_is_bit_identical_and_the_context_manager_restores_exactly(attentio
 def test_mode_names_and_their_aliases():
     assert [mode_name(m, "study") for m in ("none", "window", "yarn")] == ["study", "dense-window", "study+yarn"]
     assert mode_name("ntk", "train", 4.0) == "train+ntk@4" and mode_name("linear", "study", 2.5) == "study+linear@2.5"
-    assert resolve_mode() == "none" and resolve_mode(dense_window=True) == "window"
-    assert resolve_mode(rope_scaling="yarn") == resolve_mode("yarn", rope_scaling="yarn") == "yarn"
-    assert resolve_mode(rope_scaling="none", dense_window=True) == "window"
+    assert resolve_mode() == "none" and resolve_mode(dense_window=True) == resolve_mode("window") == "window"
+    assert resolve_mode("yarn") == "yarn" and resolve_mode("window", dense_window=True) == "window"
     with pytest.raises(ValueError, match="--mode must be one of none, linear, ntk, yarn, window, got 'wide'"):
         resolve_mode("wide")
-    with pytest.raises(ValueError, match="given twice.*--rope-scaling yarn, --dense-window"):
-        resolve_mode(rope_scaling="yarn", dense_window=True)
+    with pytest.raises(ValueError, match="dense_window=True is mode 'window' and does not combine with mode 'yarn'"):
+        resolve_mode("yarn", dense_window=True)
 
 
 def test_evaluate_scales_per_length_and_labels_a_sparse_model():
@@ -211,8 +210,8 @@ def runs(tmp_path_factory, tiny_data):
 def test_eval_cli_records_every_mode_side_by_side(runs, capsys):
     run, db = runs / "dense", runs / "modes.sqlite"
     common = [str(run), "--device", "cpu", "--no-plot", "--db", str(db)]
-    for extra in ([], ["--mode", "yarn"], ["--rope-scaling", "linear"], ["--dense-window"], ["--mode", "window"],
-                  ["--rope-scaling", "ntk", "--rope-factor", "2"], ["--reach", "train", "--mode", "yarn"]):
+    for extra in ([], ["--mode", "yarn"], ["--mode", "linear"], ["--mode", "window"],
+                  ["--mode", "ntk", "--rope-factor", "2"], ["--reach", "train", "--mode", "yarn"]):
         assert main(["eval", *common, *extra]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "| RoPE scaling |" in out and "ntk ×2" in out and "on a sparse model" not in out
@@ -230,23 +229,38 @@ def test_eval_cli_records_every_mode_side_by_side(runs, capsys):
         rows = set(con.execute("SELECT reach, length FROM eval_results WHERE run='dense'").fetchall())
     assert rows == {(m, n) for m in modes for n in (32, 64)}
     assert main(["eval", str(runs / "sparse"), "--device", "cpu", "--no-plot", "--db", "off", "--lengths", "64",
-                 "--rope-scaling", "yarn"]) == 0
+                 "--mode", "yarn"]) == 0
     out = capsys.readouterr().out
     assert "RoPE scaling yarn on a sparse model: the angles of the attended distances change" in out
     assert "| study+yarn | yarn ×2 |" in out
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--rope-scaling", "foo"], "--rope-scaling must be one of none, linear, ntk, yarn, got 'foo'"),
     (["--mode", "yarn", "--rope-factor", "0.5"], "--rope-factor must be a finite number >= 1, got 0.5"),
     (["--mode", "stretch"], "--mode must be one of none, linear, ntk, yarn, window, got 'stretch'"),
-    (["--mode", "window", "--rope-scaling", "yarn"], "given twice with different values"),
+    (["--mode", "window", "--rope-factor", "2"], "--rope-factor applies to the RoPE scaling modes"),
     (["--rope-factor", "2"], "--rope-factor applies to the RoPE scaling modes"),
 ])
 def test_eval_cli_bad_values_are_one_line_errors(runs, capsys, argv, msg):
     assert main(["eval", str(runs / "dense"), "--device", "cpu", "--no-plot", "--db", "off", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--rope-scaling", "yarn"], "--rope-scaling yarn is not an eval flag any more; use --mode yarn"),
+    (["--rope-scaling", "foo"], "use --mode none|linear|ntk|yarn"),
+    (["--dense-window"], "--dense-window is not an eval flag any more; use --mode window"),
+    (["--mode", "yarn", "--dense-window"], "use --mode window"),
+])
+def test_eval_has_one_mode_flag_and_refuses_the_old_ones(tmp_path, capsys, argv, msg):
+    assert main(["eval", str(tmp_path / "no-run"), *argv]) == 2          # refused before the run is looked at
+    err = capsys.readouterr().err.strip()
+    assert msg in err and "\n" not in err
+    from fibattn.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["eval"]
+    assert "--rope-scaling" not in sub.format_help() and "--dense-window" not in sub.format_help()
+    assert not (tmp_path / "no-run").exists()
 
 
 def test_generate_cli_with_scaling_and_bad_values(runs, capsys):
@@ -267,3 +281,16 @@ def test_eval_doc_checks_the_scaling_fields():
     assert eval_doc_problem({"results": [entry]}) is None
     assert "rope_factor" in eval_doc_problem({"results": [{**entry, "rope_factor": 0.5}]})
     assert "rope_scaling" in eval_doc_problem({"results": [{**entry, "rope_scaling": "stretch"}]})
+
+
+def test_tables_cover_the_positions_asked_for_in_any_order():
+    """A context-parallel rank asks for its own positions only (method.md §9): the cached table holds that
+    range, not the prefix before it, and any sequence of offsets gives the rows a fresh module gives."""
+    x = torch.randn(1, 2, 40, DH, dtype=torch.float64)
+    rope = RotaryEmbedding(DH, theta=THETA)
+    for offset in (5000, 5040, 700, 0, 5400, 5000, 9999):
+        torch.testing.assert_close(rope(x, offset), RotaryEmbedding(DH, theta=THETA)(x, offset), rtol=0, atol=0)
+    rope = RotaryEmbedding(DH, theta=THETA)
+    rope(x, 1 << 18)
+    (lo, table), = rope._cache.values()
+    assert lo == 1 << 18 and table.shape[0] == 256            # not (1 << 18) + 40 rows

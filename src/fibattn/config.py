@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,33 +27,53 @@ def show_value(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def setting(default=dataclasses.MISSING, help: str = "", *, choices: tuple = (), factory=None):
+    """A config field with its one-line ``help`` and, for a closed set of values, its ``choices``: said once,
+    here; ``fibattn config`` shows both and :mod:`fibattn.validation` checks the choices."""
+    meta = {"help": help, "choices": tuple(choices)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def field_help(cls, name: str) -> tuple[str, tuple]:
+    """``(help, choices)`` of field ``name`` of config class ``cls`` (``("", ())`` for a field without)."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}.get(name, {})
+    return meta.get("help", ""), tuple(meta.get("choices", ()))
+
+
 @dataclass
 class ModelConfig:
-    vocab_size: int = 32768
-    d_model: int = 512
-    n_layers: int = 16
-    n_heads: int = 8
-    n_kv_heads: int = 2
-    seq_len: int = 1024            # training length (also the default `reach`)
-    max_seq_len: int = 1 << 20     # longest sequence RoPE/positions accept
-    rope_theta: float = 1e4
-    norm_eps: float = 1e-5
-    attention: str = "sparse"      # dense | sparse
-    base: str = "fib"              # fib | pow2 | custom
-    base_k: int = 15               # number of Fibonacci rungs
-    base_values: list = field(default_factory=list)  # custom base
-    window: int = 12
-    schedule: str = "linear"       # fixed | linear | coprime | learned | custom
-    alpha: float = 1.0             # fixed value; learned start when learned_init == "fixed"
-    a_min: float = 0.5
-    a_max: float = 1.5
-    alphas: list = field(default_factory=list)      # custom schedule
-    learned_init: str = "fixed"    # start of a learned schedule: fixed | linear | coprime
-    reach: str = "study"           # study (rebuild distances at eval length) | train (cap at seq_len)
-    backend: str = "auto"          # attention backend
-    init_std: float = 0.02
-    ffn_dim: int = 0               # SwiGLU hidden size; 0: 2 * round(d_model * 8 / 3 / 2)
-    tie_embeddings: bool = True    # the output head is the token embedding (False: a head of its own)
+    vocab_size: int = setting(32768, "vocabulary size (train --data sets it from the prepared folder)")
+    d_model: int = setting(512, "width of the residual stream")
+    n_layers: int = setting(16, "number of transformer blocks")
+    n_heads: int = setting(8, "query heads per layer (d_model / n_heads must be even, for RoPE)")
+    n_kv_heads: int = setting(2, "key/value heads (grouped-query attention; divides n_heads)")
+    seq_len: int = setting(1024, "training length in tokens (also the default reach)")
+    max_seq_len: int = setting(1 << 20, "longest sequence RoPE and positions accept")
+    rope_theta: float = setting(1e4, "RoPE base frequency")
+    norm_eps: float = setting(1e-5, "RMSNorm epsilon")
+    attention: str = setting("sparse", "dense: every earlier token; sparse: the Fibonacci attended set (method.md §1)",
+                             choices=("dense", "sparse"))
+    base: str = setting("fib", "distances beyond the window: none is the window alone (a sliding-window control)",
+                        choices=("fib", "pow2", "custom", "none"))
+    base_k: int = setting(15, "number of Fibonacci rungs (base=fib)")
+    base_values: list = setting(factory=list, help="the distances of a custom base (base=custom)")
+    window: int = setting(12, "every distance 1..window is attended (method.md §1)")
+    schedule: str = setting("linear", "alpha across depth (method.md §2)",
+                            choices=("fixed", "linear", "coprime", "learned", "custom"))
+    alpha: float = setting(1.0, "alpha of a fixed schedule; the start of a learned one when learned_init=fixed")
+    a_min: float = setting(0.5, "smallest alpha a schedule uses (first layer of linear)")
+    a_max: float = setting(1.5, "largest alpha a schedule uses (last layer of linear)")
+    alphas: list = setting(factory=list, help="one alpha per layer (schedule=custom)")
+    learned_init: str = setting("fixed", "start of a learned schedule (method.md §3)",
+                                choices=("fixed", "linear", "coprime"))
+    reach: str = setting("study", "study: rebuild distances at the eval length; train: cap them at seq_len",
+                         choices=("study", "train"))
+    backend: str = setting("auto", "attention backend (auto: the fastest that runs here)", choices=("auto",) + BACKENDS)
+    init_std: float = setting(0.02, "standard deviation of the initial weights")
+    ffn_dim: int = setting(0, "SwiGLU hidden size; 0: 2 * round(d_model * 8 / 3 / 2)")
+    tie_embeddings: bool = setting(True, "the output head is the token embedding (false: a head of its own)")
 
     @property
     def head_dim(self) -> int:
@@ -65,82 +86,90 @@ class ModelConfig:
 
 @dataclass
 class SourceConfig:
-    name: str = "shakespeare"      # validation split is named after it
-    kind: str = "bundled"          # bundled | files | hf
-    path: str = ""                 # files: a file or folder (.txt/.jsonl/.parquet); hf: dataset id
-    subset: str = ""               # hf config name (e.g. sample-10BT)
-    split: str = "train"
-    text_field: str = "text"
-    weight: float = 1.0
-    max_docs: int = 0              # 0: all
+    name: str = setting("shakespeare", "the source's name (its validation split is named after it)")
+    kind: str = setting("bundled", "bundled: the packaged corpus; files: a local file or folder; hf: a Hugging Face "
+                        "dataset", choices=("bundled", "files", "hf"))
+    path: str = setting("", "files: a text/.jsonl/.parquet file or a folder; hf: a dataset id or local folder")
+    subset: str = setting("", "hf config name (e.g. sample-10BT)")
+    split: str = setting("train", "hf split to read")
+    text_field: str = setting("text", "the text column of .jsonl/.parquet rows and hf datasets")
+    weight: float = setting(1.0, "share of training batches drawn from this source, relative to the others")
+    max_docs: int = setting(0, "read at most this many documents (0: all)")
+    include: list = setting(factory=list, help="files: glob patterns a folder's files must match (empty: every file)")
+    exclude: list = setting(factory=list, help="files: glob patterns of a folder's files to leave out")
 
 
 @dataclass
 class DataConfig:
-    out_dir: str = "data/shakespeare-byte"
-    sources: list = field(default_factory=lambda: [SourceConfig()])
-    tokenizer: str = "byte"        # byte | bpe
-    vocab_size: int = 256          # bpe only
-    val_fraction: float = 0.01     # held-out share of each source (deterministic)
-    val_tokens_max: int = 1 << 21
-    shard_tokens: int = 1 << 26
+    out_dir: str = setting("data/shakespeare-byte", "the prepared folder")
+    sources: list = setting(factory=lambda: [SourceConfig()], help="the document sources (each field: "
+                            "--set data.sources[i].FIELD=...)")
+    tokenizer: str = setting("byte", "byte | bpe (trained on the data) | the path of a tokenizer.json to reuse")
+    vocab_size: int = setting(256, "vocabulary of a bpe tokenizer (tokenizer=bpe only)")
+    val_fraction: float = setting(0.01, "held-out share of each source (deterministic)")
+    val_tokens_max: int = setting(1 << 21, "at most this many validation tokens per source")
+    shard_tokens: int = setting(1 << 26, "tokens per shard file")
 
 
 @dataclass
 class TrainConfig:
-    out_dir: str = "runs/run"
-    steps: int = 13000
-    batch_tokens: int = 32768      # global tokens per optimiser step
-    micro_batch: int = 8           # sequences per forward on each rank
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 300
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    precision: str = "auto"        # auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
-    compile: bool = False
-    activation_checkpointing: str = "none"   # none | full (recompute each block in the backward: less memory)
-    seed: int = 42
-    device: str = "auto"           # auto | cpu | cuda | cuda:N
-    log_every: int = 10
-    eval_every: int = 0            # 0: only at the end
-    eval_tokens: int = 1 << 16
-    ckpt_every: int = 1000
-    keep_ckpts: int = 2
-    max_bad_steps: int = 5         # consecutive non-finite steps before aborting
-    threads: int = 0               # CPU threads (0: torch default)
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "fibattn"
-    results_db: str = ""           # SQLite results DB: "" = <parent of out_dir>/results.sqlite, "off" = none
-    init_from: str = ""            # start from trained weights: a run (RUN@STEP), checkpoint, export or Llama folder
-    init_source: dict = field(default_factory=dict)   # recorded at the start: path, kind, step, sha256 of init_from
-    document_masking: bool = False   # attend inside each document of a packed row (its <eos> ends it; method.md §8)
-    context_parallel: int = 1      # ranks sharing one sequence, each a contiguous chunk (method.md §9)
+    out_dir: str = setting("runs/run", "the run folder (checkpoints, metrics, config.json)")
+    steps: int = setting(13000, "optimiser steps")
+    batch_tokens: int = setting(32768, "global tokens per optimiser step (a multiple of micro_batch * seq_len)")
+    micro_batch: int = setting(8, "sequences per forward on each rank")
+    lr: float = setting(3e-4, "peak learning rate (cosine decay after the warm-up)")
+    min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of lr")
+    warmup_steps: int = setting(300, "linear warm-up steps (cut to steps when a preset's is longer than the run)")
+    weight_decay: float = setting(0.1, "AdamW weight decay")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "gradient-norm clip (0: none)")
+    precision: str = setting("auto", "auto: bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16"))
+    compile: bool = setting(False, "torch.compile the model")
+    activation_checkpointing: str = setting("none", "none keeps every block's activations; full recomputes each "
+                                            "block in the backward (less memory)", choices=ACTIVATION_CHECKPOINTING)
+    seed: int = setting(42, "random seed (weights, data order)")
+    device: str = setting("auto", "auto | cpu | cuda | cuda:N")
+    log_every: int = setting(10, "steps between log lines")
+    eval_every: int = setting(0, "steps between validation evaluations (0: only at the end)")
+    eval_tokens: int = setting(1 << 16, "validation tokens scored per source at each evaluation")
+    ckpt_every: int = setting(1000, "steps between checkpoints")
+    keep_ckpts: int = setting(2, "checkpoints kept (older ones are deleted)")
+    max_bad_steps: int = setting(5, "consecutive non-finite steps before aborting")
+    threads: int = setting(0, "CPU threads (0: torch default)")
+    tensorboard: bool = setting(False, "write TensorBoard event files")
+    wandb: bool = setting(False, "log to Weights & Biases")
+    wandb_project: str = setting("fibattn", "Weights & Biases project")
+    results_db: str = setting("", "SQLite results DB: empty = <parent of out_dir>/results.sqlite, off = none")
+    init_from: str = setting("", "start from trained weights: a run (RUN@STEP), checkpoint, export or Llama folder")
+    init_source: dict = setting(factory=dict, help="recorded at the start: path, kind, step, sha256 of init_from")
+    document_masking: bool = setting(False, "attend inside each document of a packed row (its <eos> ends it; "
+                                     "method.md §8)")
+    context_parallel: int = setting(1, "ranks sharing one sequence, each a contiguous chunk (method.md §9)")
 
 
 @dataclass
 class EvalConfig:
-    lengths: list = field(default_factory=lambda: [1024, 2048, 4096])
-    tokens: int = 1 << 20
-    datasets: list = field(default_factory=list)    # empty: every validation split
-    batch_size: int = 4
-    reach: str = "study"
-    sparse_lengths: list = field(default_factory=list)   # more lengths for sparse models only (dense would not fit)
-    dense_modes: list = field(default_factory=list)      # dense baselines of the same trained model (method.md §7):
-                                                          # linear | ntk | yarn | window, each at every eval.lengths
-    document_masking: bool = False   # score each document on its own within a window (recorded in the mode name)
+    lengths: list = setting(factory=lambda: [1024, 2048, 4096], help="evaluation lengths in tokens")
+    tokens: int = setting(1 << 20, "tokens scored per source and length")
+    datasets: list = setting(factory=list, help="validation splits to score (empty: every one)")
+    batch_size: int = setting(4, "sequences per forward")
+    reach: str = setting("study", "study: rebuild distances at the eval length; train: cap them at the training "
+                         "length", choices=("study", "train"))
+    sparse_lengths: list = setting(factory=list, help="more lengths for sparse models only (dense would not fit)")
+    dense_modes: list = setting(factory=list, help="dense baselines of the same trained model, each at every "
+                                "eval.lengths (method.md §7)", choices=("linear", "ntk", "yarn", "window"))
+    document_masking: bool = setting(False, "score each document on its own within a window (recorded in the mode "
+                                     "name)")
 
 
 @dataclass
 class RunConfig:
-    name: str = "run"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    name: str = setting("run", "the run's name (train --out names it after the folder)")
+    model: ModelConfig = setting(factory=ModelConfig, help="the model")
+    data: DataConfig = setting(factory=DataConfig, help="the data")
+    train: TrainConfig = setting(factory=TrainConfig, help="training")
+    eval: EvalConfig = setting(factory=EvalConfig, help="evaluation")
 
 
 # ------------------------------------------------------------------------- (de)serialise
@@ -158,8 +187,8 @@ def _build(cls, data: dict, where: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]} "
-                          f"(allowed: {', '.join(sorted(known))}){did_you_mean(unknown[0], known)}")
+        raise ConfigError(f"unknown config key {where + '.' if where else ''}{unknown[0]}"
+                          f"{_suggest(unknown[0], known, where)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -182,6 +211,10 @@ def with_defaults(doc: dict) -> dict:
     for section, defaults in to_dict(RunConfig()).items():
         if isinstance(defaults, dict) and isinstance(doc.get(section), dict):
             out[section] = {**{k: v for k, v in defaults.items() if k not in doc[section]}, **doc[section]}
+    sources = out.get("data", {}).get("sources") if isinstance(out.get("data"), dict) else None
+    if isinstance(sources, list):                   # source keys added since (include, exclude), at defaults
+        blank = dataclasses.asdict(SourceConfig())
+        out["data"] = {**out["data"], "sources": [{**blank, **s} if isinstance(s, dict) else s for s in sources]}
     return out
 
 
@@ -195,20 +228,30 @@ def save(cfg: RunConfig, path) -> None:
 
 
 def load(path) -> RunConfig:
-    """Read a config file (e.g. a run's ``config.json``); errors name the file. Call :func:`validate`
-    on the result before using it."""
+    """Read a config file: JSON (e.g. a run's ``config.json``), or TOML when its name ends in ``.toml``;
+    errors name the file (and, for TOML, the line). Call :func:`validate` on the result before using it."""
+    toml = str(path).lower().endswith(".toml")
+    kind = "TOML" if toml else "JSON"
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if toml:
+            import tomllib
+            data = tomllib.loads(raw.decode("utf-8"))
+        else:
+            data = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a folder, not a JSON file") from None
+        raise ConfigError(f"config file {path} is a folder, not a {kind} file") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        raise ConfigError(f"config file {path} is not valid JSON: {reason}") from None
+        hint = "" if toml else " (a TOML config must end in .toml)"
+        raise ConfigError(f"config file {path} is not valid {kind}: {reason}{hint}") from None
+    except ValueError as exc:            # tomllib.TOMLDecodeError: its message names the line and column
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a JSON object (a mapping of sections), got "
                           f"{type(data).__name__}")
@@ -218,9 +261,34 @@ def load(path) -> RunConfig:
         raise ConfigError(f"config file {path}: {exc}") from None
 
 
+def all_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every settable key (``model.window``, ...), sections walked, in declaration order."""
+    out, hints = [], typing.get_type_hints(cls or RunConfig)
+    for f in dataclasses.fields(cls or RunConfig):
+        hint = hints[f.name]
+        out += all_keys(hint, f"{prefix}{f.name}.") if dataclasses.is_dataclass(hint) else [prefix + f.name]
+    return out
+
+
+def _suggest(name: str, names, section: str) -> str:
+    """The closest key to a misspelt ``name`` of ``section`` (its own fields first, then every key, so that
+    ``train.window`` finds ``model.window``); the section's keys listed only when nothing is close."""
+    import difflib
+    leaves = {}
+    for key in reversed(all_keys()):                # leaf name -> its first key
+        leaves[key.rsplit(".", 1)[-1]] = key
+    close = did_you_mean(leaves[name], [leaves[name]]) if name in leaves else did_you_mean(name, names)
+    if not close:                                   # misspelt, and in the wrong section (or none)
+        near = difflib.get_close_matches(name, sorted(leaves), n=1)
+        close = did_you_mean(leaves[near[0]], [leaves[near[0]]]) if near else ""
+    if close:
+        return f"{close} (`fibattn config` lists every key with its help)"
+    return f" ({section or 'config'} has: {', '.join(sorted(names))})"
+
+
 # ----------------------------------------------------------------------------- overrides
 SOURCES_EXAMPLE = ("""--set 'data.sources=[{"name":"mine","kind":"files","path":"mytext/"}]' """
-                   """--set data.out_dir=data/mine (a .txt/.jsonl/.parquet file or folder)""")
+                   """--set data.out_dir=data/mine (a text, .jsonl or .parquet file, or a folder)""")
 
 _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list"}
 
@@ -260,14 +328,21 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         parts = key.split(".")
         for i, part in enumerate(parts):
             names = {f.name for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else set()
+            entry = re.fullmatch(r"(\w+)\[(\d+)\]", part)
+            if entry and entry.group(1) == "sources" and "sources" in names and i < len(parts) - 1:
+                items, j = getattr(target, "sources"), int(entry.group(2))     # one source's field
+                if j >= len(items):
+                    raise ConfigError(f"{key}: data.sources has {len(items)} entries (indices 0..{len(items) - 1}), "
+                                      f"got [{j}]; set the list whole to add one: {SOURCES_EXAMPLE}")
+                target = items[j]
+                continue
             if part not in names:
                 where = ".".join(parts[:i]) or "config"
                 if not dataclasses.is_dataclass(target):
                     raise ConfigError(f"{where} is a value, not a section: set it whole, e.g. "
                                       f"{SOURCES_EXAMPLE if where == 'data.sources' else where + '=...'}")
-                hint = f"; your own text: {SOURCES_EXAMPLE}" if where.startswith("data") else ""
-                raise ConfigError(f"unknown config key {key!r} ({where} has: {', '.join(sorted(names))})"
-                                  f"{did_you_mean(part, names)}{hint}")
+                hint = f"; your own text: {SOURCES_EXAMPLE}" if where == "data" else ""
+                raise ConfigError(f"unknown config key {key!r}{_suggest(part, names, '.'.join(parts[:i]))}{hint}")
             if i == len(parts) - 1:
                 current = getattr(target, part)
                 if dataclasses.is_dataclass(current):

@@ -41,6 +41,43 @@ def atomic_write_text(path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def give_usual_modes(folder) -> None:
+    """Give every file in ``folder`` the mode a plain ``open()`` creates (0666 less the umask): libraries that
+    write through a temp file (transformers' ``save_pretrained``) leave 0600, unreadable to others."""
+    mode = 0o666 & ~_umask()
+    for p in Path(folder).iterdir():
+        if p.is_file() and not p.is_symlink():
+            os.chmod(p, mode)
+
+
+# top-level folders fibattn's commands write into by default (runs/NAME, data/NAME, exports/NAME)
+IGNORED_ROOTS = ("runs", "data", "exports")
+GITIGNORE = "# created by fibattn: models, data and runs are not source; delete this file to track them\n*\n"
+
+
+def make_parents(path) -> Path:
+    """Create the folders above ``path`` (not ``path`` itself). One of them named runs, data or exports that
+    this call creates gets a ``.gitignore`` holding ``*`` (as Python's venv does), so a new repository does not
+    pick up checkpoints, datasets and exports. Returns ``path``."""
+    p = Path(path)
+    created = []
+    for q in p.parents:
+        if q.exists() or q.is_symlink():
+            break
+        created.append(q)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    mark_ignored(created)
+    return p
+
+
+def mark_ignored(created) -> None:
+    """Write the ``.gitignore`` of ``*`` into each of the just-created folders ``created`` named runs, data or
+    exports (see :func:`make_parents`)."""
+    for q in created:
+        if Path(q).name in IGNORED_ROOTS and not (Path(q) / ".gitignore").exists():
+            (Path(q) / ".gitignore").write_text(GITIGNORE)
+
+
 class PathError(ConfigError):
     """An output path that cannot be created; the message names the path and the setting."""
 

@@ -20,7 +20,7 @@ from torch import nn
 from .checks import UsageError, check_int, check_positive
 
 SCHEDULES = ("fixed", "linear", "coprime", "learned", "custom")
-BASE_KINDS = ("fib", "pow2", "custom")
+BASE_KINDS = ("fib", "pow2", "custom", "none")   # none: the window alone (the window-only controls)
 
 
 # ----------------------------------------------------------------------------- bases
@@ -55,7 +55,7 @@ def check_custom_base(values: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class Base:
-    """A base spec: ``fib`` (first ``k`` numbers), ``pow2`` (up to the cap) or ``custom``."""
+    """A base spec: ``fib`` (first ``k`` numbers), ``pow2`` (up to the cap), ``custom`` or ``none`` (no rungs)."""
 
     kind: str = "fib"
     k: int = 15
@@ -75,6 +75,8 @@ class Base:
             return fib_base(self.k)
         if self.kind == "pow2":
             return pow2_base(distance_cap(seq_len, reach))
+        if self.kind == "none":
+            return []
         return list(self.values)
 
 
@@ -89,9 +91,9 @@ def as_base(base: BaseLike) -> Base:
         kind, _, arg = base.partition(":")
         if kind == "fib":
             return Base("fib", k=int(arg) if arg else 15)
-        if kind == "pow2" and not arg:
-            return Base("pow2")
-        raise UsageError(f"base must be 'fib', 'fib:K', 'pow2' or a list of positive integers, got {base!r}")
+        if kind in ("pow2", "none") and not arg:
+            return Base(kind)
+        raise UsageError(f"base must be 'fib', 'fib:K', 'pow2', 'none' or a list of positive integers, got {base!r}")
     if isinstance(base, torch.Tensor):
         base = base.tolist()
     return Base("custom", values=tuple(check_custom_base(base)))
@@ -119,6 +121,20 @@ def attended_distances(window: int, alpha: float, base: BaseLike, seq_len: int, 
         if window < d <= cap:
             dists.add(d)
     return sorted(dists)
+
+
+def matched_window(window: int, alphas: Sequence[float], base: BaseLike, seq_len: int, *,
+                   reach: int | None = None) -> int:
+    """The window ``W'`` of a rung-free model that attends as many columns per query as this one.
+
+    The sparse model's columns at the training length (cap ``seq_len - 1``) are averaged over its
+    layers (``alphas``: one per layer, a learned schedule's start values); ``W' + 1`` is that mean,
+    rounded: the same cost per query, spent on a contiguous window (the ``window_matched`` control).
+    """
+    if not alphas:
+        raise UsageError("alphas must hold one alpha per layer, got an empty list")
+    counts = [len(attended_distances(window, a, base, seq_len, reach=reach)) for a in alphas]
+    return max(0, round(sum(counts) / len(counts)) - 1)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import os
 import typing
 
 from . import devices
-from .config import (ACTIVATION_CHECKPOINTING, BACKENDS, ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig,
-                     SourceConfig, TrainConfig, show_value)
+from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
+                     field_help, show_value)
 
 # ----------------------------------------------------------------------------- validation
 def _need(ok: bool, msg: str):
@@ -23,7 +23,7 @@ def _need(ok: bool, msg: str):
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
                list: "a list"}
 _ELEMENTS = {"base_values": int, "alphas": float, "lengths": int, "datasets": str, "sparse_lengths": int,
-             "dense_modes": str}   # list fields' items
+             "dense_modes": str, "include": str, "exclude": str}   # list fields' items
 
 
 def _is(value, kind) -> bool:
@@ -66,7 +66,9 @@ def _num_in(obj, section: str, name: str, lo: float, hi: float, *, lo_open=False
     _need(ok, f"{section}.{name} must be a number in {rng}, got {show_value(v)}")
 
 
-def _choice(obj, section: str, name: str, allowed):
+def _choice(obj, section: str, name: str, allowed=None):
+    """``allowed``: by default the field's own ``choices`` (config.setting), so they are written once."""
+    allowed = allowed or field_help(type(obj), name)[1]
     v = getattr(obj, name)
     _need(v in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {show_value(v)}")
 
@@ -152,12 +154,12 @@ def validate_model(m: ModelConfig) -> None:
     _num_in(m, s, "rope_theta", 0, 1e12, lo_open=True)
     _num_in(m, s, "norm_eps", 0, 1, lo_open=True)
     _num_in(m, s, "init_std", 0, 10, lo_open=True)
-    _choice(m, s, "attention", ("dense", "sparse"))
-    _choice(m, s, "base", ("fib", "pow2", "custom"))
-    _choice(m, s, "schedule", ("fixed", "linear", "coprime", "learned", "custom"))
-    _choice(m, s, "learned_init", ("fixed", "linear", "coprime"))
-    _choice(m, s, "reach", ("study", "train"))
-    _choice(m, s, "backend", ("auto",) + BACKENDS)
+    _choice(m, s, "attention")
+    _choice(m, s, "base")
+    _choice(m, s, "schedule")
+    _choice(m, s, "learned_init")
+    _choice(m, s, "reach")
+    _choice(m, s, "backend")
     _num_in(m, s, "a_min", 0, 1e6, lo_open=True)
     _num_in(m, s, "a_max", 0, 1e6, lo_open=True)
     _need(m.a_min <= m.a_max, f"model.a_min must be <= model.a_max, got {m.a_min} > {m.a_max}")
@@ -175,6 +177,9 @@ def validate_model(m: ModelConfig) -> None:
                   f"model.alphas values must lie in [a_min, a_max] = [{m.a_min}, {m.a_max}], got {a!r}")
     if m.schedule == "learned":
         _need(m.a_min < m.a_max, f"model.a_min must be < model.a_max for a learned schedule, got {m.a_min}")
+        # no rungs, no alpha to learn: it would get a zero gradient every step (any other schedule is inert)
+        _need(m.base != "none" or m.attention == "dense", "model.schedule=learned has nothing to learn with "
+              "model.base=none (alpha places rungs, and there are none): use model.schedule=fixed")
     check_weights_fit(m)
 
 
@@ -197,7 +202,7 @@ def validate_data(d: DataConfig) -> None:
         s = f"data.sources[{i}]"
         _need(isinstance(src, SourceConfig), f"{s} must be a source mapping, got {show_value(src)}")
         _check_types(src, s)
-        _choice(src, s, "kind", ("bundled", "files", "hf"))
+        _choice(src, s, "kind")
         _need(isinstance(src.name, str) and src.name.replace("-", "").replace("_", "").isalnum(),
               f"{s}.name must be a non-empty name of letters, digits, - and _, got {src.name!r}")
         _need(src.name not in names, f"{s}.name {src.name!r} is used twice; source names must be unique")
@@ -206,6 +211,9 @@ def validate_data(d: DataConfig) -> None:
         _int_at_least(src, s, "max_docs", 0)
         if src.kind != "bundled":
             _need(bool(src.path), f"{s}.path is required for kind={src.kind}")
+        globs = "include" if src.include else "exclude" if src.exclude else ""
+        _need(not globs or src.kind == "files", f"{s}.{globs} chooses the files of a kind=files folder; it has no "
+                                                 f"effect with kind={src.kind}: drop it")
 
 
 def validate_train(t: TrainConfig) -> None:
@@ -223,8 +231,8 @@ def validate_train(t: TrainConfig) -> None:
     _num_in(t, s, "beta1", 0, 1, hi_open=True)      # AdamW's moments need beta < 1 (1: never forget, no update)
     _num_in(t, s, "beta2", 0, 1, hi_open=True)
     _num_in(t, s, "grad_clip", 0, 1e9)
-    _choice(t, s, "precision", ("auto", "fp32", "bf16"))
-    _choice(t, s, "activation_checkpointing", ACTIVATION_CHECKPOINTING)
+    _choice(t, s, "precision")
+    _choice(t, s, "activation_checkpointing")
     _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
           f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
@@ -235,10 +243,10 @@ def validate_eval(e: EvalConfig) -> None:
           f"eval.lengths must be a non-empty list of positive integers, got {e.lengths!r}")
     _int_at_least(e, "eval", "tokens", 1)
     _int_at_least(e, "eval", "batch_size", 1)
-    _choice(e, "eval", "reach", ("study", "train"))
+    _choice(e, "eval", "reach")
     _need(all(n >= 1 for n in e.sparse_lengths), f"eval.sparse_lengths must hold positive integers, got "
           f"{show_value(e.sparse_lengths)}")
-    baselines = ("linear", "ntk", "yarn", "window")
+    baselines = field_help(EvalConfig, "dense_modes")[1]
     for m in e.dense_modes:
         _need(m in baselines, f"eval.dense_modes items must be {', '.join(baselines)}, got {show_value(m)}")
 

@@ -21,7 +21,9 @@ Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting
 - ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``;
 - ``integer-docs``, ``interpolated-docs`` (with ``--documents N``, next to their plain op): the
   same with ``N`` packed documents of equal length per row (document masking), and a line
-  giving their cost over the plain op.
+  giving their cost over the plain op;
+- ``integer-rows``, ``interpolated-rows`` (CPU): the same on the cpu kernels' generic rows (the kernel before
+  issue 29), for comparison. Achieved GFLOP/s against a fp32 matmul peak: ``bench.attention_flops``.
 
 After the table, one line per op gives its per-call host overhead (:func:`host_overhead`, ~0.5 s
 each): the public op on the ``cpu`` backend at T=16, forward+backward, against its kernels
@@ -54,9 +56,10 @@ import torch
 
 from ..ops import backend_available
 from ..validation import ConfigError, check_sizes_fit
-from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, BenchConfig, _inputs,
-                              backend_name, check_documents, document_lines, make_step, mask_bytes, pick_sdpa,
-                              sdpa_label, traffic_bytes)
+from .attention_flops import flop_lines, gflop_rate, matmul_peak, peak_line
+from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, ROWS_PATHS, BenchConfig,
+                              _inputs, backend_name, check_documents, document_lines, make_step, mask_bytes,
+                              pick_sdpa, sdpa_label, traffic_bytes)
 from .host_overhead import HostOverhead, host_overhead
 
 __all__ = ["BenchConfig", "HostOverhead", "Record", "PATHS", "bench_length", "configure_parser", "host_overhead", "run",
@@ -73,6 +76,7 @@ class Record:
     skipped: str | None = None
     mode: str = "fwd+bwd"
     gb_s: float | None = None
+    gflop_s: float | None = None
 
 
 def copy_gb_s(device: str, nbytes: int = 1 << 31) -> float:
@@ -170,6 +174,8 @@ def _skip_reason(cfg: BenchConfig, path: str, T: int) -> str | None:
                 f"> --mask-budget-gb {cfg.mask_budget_gb:g}")
     if path in ("flex", "torch") and not cfg.on_cuda:
         return f"the {path} path is measured on CUDA only"
+    if path in ROWS_PATHS and cfg.on_cuda:
+        return f"the {path} path times the cpu kernels, on CPU only"
     return None
 
 
@@ -195,6 +201,7 @@ def bench_length(cfg: BenchConfig, T: int, backward: bool = True) -> list[Record
     inputs = None
     for p in live:
         recs[p].ms = statistics.median(times[p])
+        recs[p].gflop_s = gflop_rate(cfg, p, T, recs[p].ms, backward)
         if cfg.on_cuda and p in ("integer", "interpolated", *DOC_PATHS.values()):
             recs[p].gb_s = traffic_bytes(cfg, T, backward) / (recs[p].ms / 1e3) / 1e9
         if cfg.memory and backward:
@@ -338,7 +345,9 @@ def run(args) -> int:
     print(f"attention: B={cfg.batch} H={cfg.heads} Hkv={cfg.kv_heads} Dh={cfg.head_dim} {cfg.dtype} W={cfg.window} "
           f"fib K={cfg.fib_k} alpha={cfg.alpha} device={cfg.device} ({where}) repeats={cfg.repeats}",
           file=out, flush=True)
-    copy_rate = None
+    copy_rate, peak = None, None if cfg.on_cuda else matmul_peak()
+    if peak:
+        print(peak_line(peak), file=out, flush=True)
     if cfg.on_cuda:
         copy_rate = copy_gb_s(cfg.device)
         print(f"device-to-device copy: {copy_rate:.0f} GB/s (read + write)", file=out, flush=True)
@@ -354,7 +363,7 @@ def run(args) -> int:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
         print(table(records, copy_rate), file=out, flush=True)
-        for line in document_lines(records, cfg.documents):
+        for line in document_lines(records, cfg.documents) + flop_lines(records, peak):
             print(line, file=out, flush=True)
     why = backend_available("cpu", torch.device("cpu"))
     if why is not None:

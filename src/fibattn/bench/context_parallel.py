@@ -110,6 +110,9 @@ def measure(preset: str, T: int, P: int, forward_only: bool) -> dict:
     """Rows received per rank and layer and peak memory, split across ``P`` processes and in one."""
     import torch.multiprocessing as mp
     res = {}
+    # a fixed mmap threshold: glibc's adaptive one keeps freed blocks up to 32 MB on the heap, and the
+    # high-water RSS then measures the allocator's history, not the tensors alive at the peak
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     with tempfile.TemporaryDirectory() as tmp:
         for n in (1, P):
             out = os.path.join(tmp, f"ranks{n}")

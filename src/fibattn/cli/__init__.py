@@ -32,7 +32,8 @@ COMMANDS = {
     "generate": (generate, "stream tokens from a trained model"),
     "export": (export, "write a portable model folder"),
     "bench": (bench, "benchmarks: attention, train, generate, hf-cache, context-parallel"),
-    "config": (show_config, "every --set key with its value, for a preset or a saved config"),
+    "config": (show_config, "every --set key with its value, allowed values and help, for a preset or a config "
+                            "file (JSON or TOML)"),
 }
 
 
@@ -135,6 +136,9 @@ def main(argv=None) -> int:
     except SystemExit as exc:              # --help (0) or a bad argument (2, already printed as one line)
         return exc.code if isinstance(exc.code, int) else 2
     held = _start_logging(args.verbose)
+    # a command that streams to stdout (generate) lets the held notes out first: on a terminal,
+    # stderr lines released mid-stream would land inside the text
+    args._logs_before_output = held.let_go if held is not None else (lambda: None)
     try:
         code = _run(args, held)
     finally:

@@ -6,6 +6,7 @@ import os
 from ..checks import UsageError
 from ..files import check_creatable
 from ..study import report as Rp
+from ..study.controls import control_lines
 from ..study.demo import NOTE, RETROFIT_NOTE, extrapolation_lines, forget_runs, headline_lines, retrofit_lines
 from ..study.grid import build_grid
 from ..study.runner import run_grid
@@ -60,14 +61,16 @@ def run(args) -> int:
     summary = run_grid(grid, root, devices=workers)
     files = Rp.build_report(grid, root)
     print()
-    shown = ("Retrofit",) if args.retrofit else ("Perplexity at", "Length extrapolation")
+    shown = ("Retrofit",) if args.retrofit else ("Perplexity at", "Length extrapolation", "Window-only controls")
     for table in files.tables:
         if table.title.startswith(shown):
             print(table.markdown(), end="\n\n")
     if not args.retrofit and files.datasets:
         lines = extrapolation_lines(files.results, files.datasets[0])
-        if lines:
-            print("\n".join(lines) + "\n")
+        versus = control_lines(Rp.primary([r for r in files.results if r.ppl and not r.mode]), files.datasets[0])
+        for block in (lines, ["Would a sliding window of the same cost do as well?"] + versus if versus else []):
+            if block:
+                print("\n".join(block) + "\n")
     if args.retrofit:
         print("\n".join(retrofit_lines(files)))
     elif files.checks and files.factor:

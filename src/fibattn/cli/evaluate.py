@@ -5,6 +5,7 @@ import argparse
 import os
 
 from ..checks import UsageError, parse_int_list
+from ..eval.modes import SCALING_KINDS
 from ..eval.run_folder import evaluate_run
 from ..storage.runs import parse_step
 
@@ -20,12 +21,11 @@ def configure_parser(parser) -> None:
                         "train (cap at the training length); default: eval.reach")
     parser.add_argument("--mode", default=None, help="evaluation mode (method.md §7): none (default) | linear | ntk | "
                         "yarn (RoPE scaling, any model) | window (dense model: sliding window of the training length)")
-    parser.add_argument("--rope-scaling", default=None, metavar="KIND",
-                        help="none | linear | ntk | yarn: the same choice as --mode for RoPE scaling")
     parser.add_argument("--rope-factor", type=float, default=None, metavar="F",
                         help="RoPE scaling factor >= 1 (default: evaluation length / training length, at least 1)")
-    parser.add_argument("--dense-window", action="store_true",
-                        help="dense model only: sliding window of the training length (the same as --mode window)")
+    # earlier spellings of --mode: refused with the --mode to use (one flag for one choice)
+    parser.add_argument("--rope-scaling", dest="_rope_scaling", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--dense-window", dest="_dense_window", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--document-masking", action=argparse.BooleanOptionalAction, default=None,
                         help="score each document of a window on its own, its <eos> ending it (default: "
                         "eval.document_masking); results get the mode suffix +docs")
@@ -42,7 +42,18 @@ def configure_parser(parser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
 
 
+def _refuse_old_mode_flags(args) -> None:
+    if getattr(args, "_rope_scaling", None) is not None:
+        kind = args._rope_scaling
+        use = f"--mode {kind}" if kind in SCALING_KINDS else "--mode none|linear|ntk|yarn"
+        raise UsageError(f"--rope-scaling {kind} is not an eval flag any more; use {use} (one --mode picks RoPE "
+                         f"scaling or the dense window)")
+    if getattr(args, "_dense_window", False):
+        raise UsageError("--dense-window is not an eval flag any more; use --mode window")
+
+
 def run(args) -> int:
+    _refuse_old_mode_flags(args)
     lengths = parse_int_list(args.lengths, "--lengths") if args.lengths else None
     datasets = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else None
     if args.tokens is not None and args.tokens < 1:
@@ -52,8 +63,7 @@ def run(args) -> int:
     if args.buckets < 1:
         raise UsageError(f"--buckets must be an integer >= 1, got {args.buckets}")
     report = evaluate_run(args.run, step=parse_step(args.step), lengths=lengths, datasets=datasets,
-                          tokens=args.tokens, reach=args.reach, dense_window=args.dense_window, mode=args.mode,
-                          rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
+                          tokens=args.tokens, reach=args.reach, mode=args.mode, rope_factor=args.rope_factor,
                           batch_size=args.batch_size, device=args.device, precision=args.precision, data=args.data,
                           json_out=args.json, db=args.db, plot=not args.no_plot, buckets=args.buckets,
                           document_masking=args.document_masking, context_parallel=args.context_parallel)

@@ -1,6 +1,7 @@
 """``fibattn generate``: stream text from a trained run with constant-memory sparse caches."""
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import sys
@@ -82,10 +83,13 @@ def run(args, out=None) -> int:
                  f"{factor:g}" if factor else "context / training length (at least 1)",
                  " (on a sparse model: the angles of the attended distances change)" if sparse else "")
     stream = TextStream(tokenizer)
+    t0 = time.perf_counter()
+    first = next(steps, None)             # the prefill, whose notes (backend auto -> ...) precede the text
+    getattr(args, "_logs_before_output", lambda: None)()     # held notes out now, never inside the text
     out.write(args.prompt)
     out.flush()
-    t0, n = time.perf_counter(), 0
-    for st in steps:
+    n = 0
+    for st in () if first is None else itertools.chain((first,), steps):
         n += 1
         out.write(stream.push(int(st.tokens[0])))
         out.flush()

@@ -1,7 +1,7 @@
 """``fibattn prepare``: tokenise a preset's data sources into a prepared folder.
 
     fibattn prepare [--preset tiny|paper] [--set data.field=value ...] [--out DIR] [--force]
-    fibattn prepare --files PATH [PATH ...] [--tokenizer byte|bpe|FILE] [--out DIR]     # your own text
+    fibattn prepare --files PATH [PATH ...] [--include GLOB] [--exclude GLOB] [--tokenizer byte|bpe|FILE] [--out DIR]
     fibattn prepare --verify DIR
 
 ``--verify DIR`` re-hashes an existing folder and builds nothing, so it takes none of
@@ -10,6 +10,8 @@ silently ignored).
 
 Your own text: ``--files`` (one source per file or folder, stored as absolute paths) or, for
 every source option, JSON: ``--set 'data.sources=[{"name":"mine","kind":"files","path":"corpus/"}]'``.
+A folder contributes every text file (by content, any name) and .jsonl/.parquet rows; what it skips
+(hidden, binary, left out by ``--include`` / ``--exclude`` globs) is said on stderr.
 Own sources without ``--out`` go to ``data/NAME``, never into the preset's folder.
 The Python API is :func:`fibattn.data.prepare` / :func:`fibattn.data.ensure_prepared`.
 """
@@ -32,8 +34,14 @@ def configure_parser(p) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.FIELD=VALUE",
                    help="override a config field (repeatable), e.g. --set data.val_fraction=0.05")
     p.add_argument("--files", nargs="+", default=None, metavar="PATH",
-                   help="your own text: .txt/.jsonl/.parquet files or folders, one source each (replaces the "
-                        "preset's sources; then train with --data DIR)")
+                   help="your own text: text files (any name), .jsonl/.parquet files or folders, one source each "
+                        "(replaces the preset's sources; then train with --data DIR)")
+    p.add_argument("--include", action="append", default=[], metavar="GLOB",
+                   help="with --files: a folder contributes only files matching a glob (path under the folder or "
+                        "name; repeatable or comma-separated), e.g. --include '*.md,*.py'")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="with --files: leave out a folder's files or subfolders matching a glob, e.g. "
+                        "--exclude 'build,*.min.js'")
     p.add_argument("--tokenizer", default=None, metavar="byte|bpe|FILE",
                    help="data.tokenizer (default: the preset's): bytes, a BPE trained on the data, or a pretrained "
                         "tokenizer.json (or a model folder holding one) to reuse, e.g. the model --init-from starts")
@@ -58,10 +66,18 @@ def _summary(folder, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _globs(values, flag: str) -> list[str]:
+    out = [g.strip() for v in values for g in v.split(",") if g.strip()]
+    if values and not out:
+        raise ConfigError(f"{flag} needs a glob, e.g. {flag} '*.md', got {values[0]!r}")
+    return out
+
+
 def _verify_conflicts(args) -> list[str]:
     given = [("--preset", args.preset is not None), ("--set", bool(args.overrides)), ("--out", args.out is not None),
              ("--force", args.force), ("--files", args.files is not None), ("--tokenizer", args.tokenizer is not None),
-             ("--vocab-size", args.vocab_size is not None)]
+             ("--vocab-size", args.vocab_size is not None), ("--include", bool(args.include)),
+             ("--exclude", bool(args.exclude))]
     return [flag for flag, on in given if on]
 
 
@@ -84,8 +100,12 @@ def run(args) -> int:
                           f"`fibattn train`)")
     cfg = get_preset(args.preset or "tiny")
     preset_out, preset_sources = cfg.data.out_dir, list(cfg.data.sources)
+    include, exclude = _globs(args.include, "--include"), _globs(args.exclude, "--exclude")
+    if (include or exclude) and args.files is None:
+        raise ConfigError(f"{'--include' if include else '--exclude'} chooses what a --files folder contributes; "
+                          f"give --files DIR (or set include / exclude in data.sources)")
     if args.files is not None:
-        cfg.data.sources = files_sources(args.files)
+        cfg.data.sources = files_sources(args.files, include=include, exclude=exclude)
     if args.tokenizer is not None:
         known = args.tokenizer in ("byte", "bpe")
         cfg.data.tokenizer = args.tokenizer if known else str(Path(args.tokenizer).expanduser().absolute())

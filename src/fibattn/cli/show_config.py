@@ -1,8 +1,11 @@
-"""``fibattn config``: every ``--set`` key with its value and type, for a preset or a saved config.
+"""``fibattn config``: every ``--set`` key with its value, type, allowed values and one-line help, for a
+preset or a saved config.
 
-    fibattn config [--preset tiny|paper | --config FILE.json] [--set KEY=VALUE ...] [--json]
+    fibattn config [KEY ...] [--preset tiny|paper | --config FILE.json|FILE.toml] [--set KEY=VALUE ...] [--json]
 
-What ``train`` would use, overrides applied and validated; nothing is written.
+What ``train`` would use, overrides applied and validated; nothing is written. ``KEY``: show only the keys
+that contain it (``fibattn config warmup``). The help and the allowed values are the fields' own
+(``config.setting``), the ones validation checks.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import json
 import typing
 
 from .. import config as C
+from ..checks import did_you_mean
 from ..config import ConfigError
 from ..presets import PRESETS, get_preset
 from ..validation import check_honoured, given_by_set, validate_given
@@ -18,13 +22,17 @@ from ..validation import check_honoured, given_by_set, validate_given
 
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", default=None, help=f"{' | '.join(PRESETS)} (default tiny)")
-    parser.add_argument("--config", default=None, metavar="FILE.json", help="a full config (e.g. a run's config.json)")
+    parser.add_argument("keys", nargs="*", metavar="KEY", help="show only the keys containing KEY (e.g. warmup)")
+    parser.add_argument("--config", default=None, metavar="FILE.json|FILE.toml",
+                        help="a config file, JSON (e.g. a run's config.json) or TOML; keys it leaves out keep the "
+                             "preset-free defaults")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, as in train")
     parser.add_argument("--json", action="store_true", help="print the config as JSON instead of KEY = VALUE lines")
 
 
-def rows(cfg) -> list[tuple[str, str, str]]:
-    """``(key, value as JSON, type)`` for every settable field, in declaration order."""
+def rows(cfg) -> list[tuple[str, str, str, str]]:
+    """``(key, value as JSON, type and allowed values, help)`` for every settable field, in declaration
+    order; each source's fields follow ``data.sources`` as ``data.sources[i].FIELD`` (``--set`` keys too)."""
     out = []
 
     def walk(obj, prefix):
@@ -33,10 +41,16 @@ def rows(cfg) -> list[tuple[str, str, str]]:
             key = f"{prefix}{name}"
             if dataclasses.is_dataclass(value):
                 walk(value, f"{key}.")
-            else:
-                if isinstance(value, list):
-                    value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
-                out.append((key, json.dumps(value), getattr(kind, "__name__", str(kind))))
+                continue
+            shown = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value] \
+                if isinstance(value, list) else value
+            text, choices = C.field_help(type(obj), name)
+            kind = getattr(kind, "__name__", str(kind))
+            out.append((key, json.dumps(shown), f"{kind}: {' | '.join(choices)}" if choices else kind, text))
+            if name == "sources":
+                for i, src in enumerate(value):
+                    if dataclasses.is_dataclass(src):
+                        walk(src, f"{key}[{i}].")
 
     walk(cfg, "")
     return out
@@ -52,7 +66,14 @@ def run(args) -> int:
         print(json.dumps(C.to_dict(cfg), indent=2, sort_keys=True))
         return 0
     table = rows(cfg)
-    w = max(len(k) for k, _, _ in table)
-    for key, value, kind in table:
-        print(f"{key:<{w}} = {value}  ({kind})")
+    for want in args.keys:
+        if not any(want in key for key, *_ in table):
+            names = {w for k, *_ in table for w in [k.rsplit(".", 1)[-1], *k.rsplit(".", 1)[-1].split("_")]}
+            raise ConfigError(f"no config key contains {want!r}{did_you_mean(want, names)} (`fibattn config` "
+                              f"lists every key)")
+    if args.keys:
+        table = [row for row in table if any(want in row[0] for want in args.keys)]
+    w, vw = max(len(k) for k, *_ in table), min(24, max(len(v) for _, v, *_ in table))
+    for key, value, kind, text in table:
+        print(f"{key:<{w}} = {value:<{vw}}  ({kind})  # {text}".rstrip(" #"))
     return 0

@@ -76,7 +76,8 @@ def init_architecture(cfg: RunConfig, spec: str, keys: list[str]) -> None:
 
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", choices=None, default=None, help="paper | tiny (default tiny)")
-    parser.add_argument("--config", default=None, metavar="FILE.json", help="a full config (e.g. a run's config.json)")
+    parser.add_argument("--config", default=None, metavar="FILE.json|FILE.toml",
+                        help="a config file: JSON (e.g. a run's config.json) or TOML")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. model.window=8 (repeat)")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="a folder from `fibattn prepare` (e.g. --files): its sources, tokenizer and vocabulary")

@@ -5,6 +5,7 @@ names inside the folder; anything else is one ValueError naming the file and the
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -13,7 +14,7 @@ import re
 from pathlib import Path
 
 from ..checks import UsageError
-from ..config import DataConfig, from_dict
+from ..config import DataConfig, SourceConfig, from_dict
 from .shards import FORMAT_VERSION
 
 MANIFEST_FILE = "manifest.json"
@@ -33,6 +34,18 @@ def data_config(folder) -> tuple[DataConfig, dict]:
         raise UsageError(f"{Path(folder) / MANIFEST_FILE}: its data config is not one this fibattn reads ({exc})") \
             from None
     return data, manifest
+
+
+def recorded_config(manifest: dict):
+    """The manifest's data config with the source keys added since it was written (include, exclude) at
+    their defaults, so that a folder an older fibattn prepared compares equal and stays reusable."""
+    rec = manifest.get("config")
+    if not isinstance(rec, dict) or not isinstance(rec.get("sources"), list):
+        return rec
+    defaults = dataclasses.asdict(SourceConfig())
+    return {**rec, "sources": [{**defaults, **s} if isinstance(s, dict) else s for s in rec["sources"]]}
+
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _REBUILD = "prepare the data again with --force"
 

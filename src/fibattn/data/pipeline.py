@@ -41,12 +41,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import did_you_mean
 from ..config import ConfigError, DataConfig, SourceConfig
-from ..files import atomic_write_text, check_creatable, naming_os_errors
+from ..files import atomic_write_text, check_creatable, mark_ignored, naming_os_errors
 from ..locks import FolderLock, check_unlocked, drop_stale
 from ..validation import validate_data
-from .manifest import MANIFEST_FILE, read_manifest
+from .manifest import MANIFEST_FILE, read_manifest, recorded_config
 from .shards import FORMAT_VERSION, ShardError, dtype_for_vocab
+from .selection import skipped_note
 from .sources import check_source, describe_source, iter_documents
 from .staging import Staging, clean_leftovers
 from .tokenizers import TOKENIZER_FILE, ByteTokenizer, DocumentTooLong, tokenizer_sha256, train_bpe
@@ -70,7 +72,8 @@ def normalise(data_cfg: DataConfig) -> DataConfig:
         if isinstance(src, dict):
             unknown = sorted(set(src) - allowed)
             if unknown:
-                raise ConfigError(f"unknown key data.sources[{i}].{unknown[0]} (allowed: {', '.join(sorted(allowed))})")
+                raise ConfigError(f"unknown key data.sources[{i}].{unknown[0]} (allowed: {', '.join(sorted(allowed))})"
+                                  f"{did_you_mean(unknown[0], allowed)}")
             src = SourceConfig(**src)
         if not isinstance(src, SourceConfig):
             raise ConfigError(f"data.sources[{i}] must be a source mapping, got {type(src).__name__}")
@@ -127,7 +130,8 @@ def _check_existing(out: Path, cfg: DataConfig) -> bool:
     if not out.exists() or not (out / MANIFEST_FILE).is_file():
         return False
     manifest = read_manifest(out)
-    old = {"config": manifest.get("config"), "source_info": [s.get("info") for s in manifest.get("sources", [])]}
+    old = {"config": recorded_config(manifest),
+           "source_info": [s.get("info") for s in manifest.get("sources", [])]}
     known = [s.get("stamps") if isinstance(s.get("stamps"), dict) else {} for s in manifest["sources"]]
     new = _expected_identity(cfg, (known + [{} for _ in cfg.sources])[:len(cfg.sources)])
     diffs = _differences(old["config"], new["config"], "data") + \
@@ -284,6 +288,10 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
     An existing folder whose manifest matches the config is reused; a mismatching or foreign
     one is a ConfigError. ``force=True`` rebuilds and replaces it whatever it holds."""
     cfg = normalise(data_cfg)
+    for i, src in enumerate(cfg.sources):             # what a folder leaves out is said, never dropped silently
+        note = skipped_note(src, f"data.sources[{i}]")
+        if note:
+            log.info("%s", note)
     if not isinstance(cfg.out_dir, (str, os.PathLike)) or not str(cfg.out_dir).strip():
         raise ConfigError(f"data.out_dir must name a folder to create or reuse, got {cfg.out_dir!r}")
     out = Path(cfg.out_dir).expanduser()
@@ -308,6 +316,7 @@ def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False)
             atomic_write_text(staging.path / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             staging.unmark()
             _install(staging.path, out, cfg, force)
+        mark_ignored(made)               # a data/ this call created: not for version control
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging.path, ignore_errors=True)

@@ -4,12 +4,13 @@
 stopping after ``src.max_docs`` (0: all). Empty documents (and ``None`` fields) are skipped.
 
 - ``bundled``: the packaged Shakespeare corpus, one document per text (42).
-- ``files``: a ``.txt`` / ``.jsonl`` / ``.parquet`` file, or a folder searched recursively
-  for them (sorted by relative path). A ``.txt`` file is one document; a ``.jsonl`` line or
-  a ``.parquet`` row is one document, its text in ``src.text_field``. Text is UTF-8 (a
-  leading byte-order mark is allowed). Nothing is skipped silently: a listed file that
-  cannot be read (permissions), a broken link with one of these suffixes or a subfolder
-  that cannot be listed is an error naming it, before anything is written.
+- ``files``: a file, or a folder searched recursively (sorted by relative path; which of its
+  files it reads: :mod:`.selection`, by content, with ``include`` / ``exclude`` globs). A text
+  file of any name is one document; a ``.jsonl`` line or a ``.parquet`` row is one document,
+  its text in ``src.text_field``. Text is UTF-8 (a leading byte-order mark is allowed).
+  Nothing is skipped silently: what a folder skips (hidden, binary, globs) is said, and a
+  file that would be read but cannot be (permissions), a broken link or a subfolder that
+  cannot be listed is an error naming it, before anything is written.
 - ``hf``: ``datasets.load_dataset(path, subset or None, split=split, streaming=True)``,
   reading ``src.text_field`` of each row. ``path`` may be a hub id or a local folder laid
   out like a hub dataset (parquet / jsonl data files).
@@ -19,22 +20,20 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from ..checks import UsageError
 from ..config import ConfigError, SourceConfig
 from .corpus import corpus_texts
+from .selection import select_files, unreadable
 from .tokenizers import require
 
-FILE_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
-
-def files_sources(paths, flag: str = "--files") -> list[SourceConfig]:
-    """One ``files`` source per path (a .txt/.jsonl/.parquet file or a folder of them), named after it
-    (letters, digits, - and _; made unique) and stored as an absolute path, so a run that uses the
-    prepared folder can be evaluated from any working directory."""
+def files_sources(paths, flag: str = "--files", include=(), exclude=()) -> list[SourceConfig]:
+    """One ``files`` source per path (a text/.jsonl/.parquet file or a folder), named after it (letters,
+    digits, - and _; made unique) and stored as an absolute path, so a run that uses the prepared folder
+    can be evaluated from any working directory. ``include`` / ``exclude``: globs given to every folder."""
     sources, names = [], set()
     for raw in paths:
         path = Path(raw).expanduser()
@@ -45,9 +44,13 @@ def files_sources(paths, flag: str = "--files") -> list[SourceConfig]:
         while name in names:
             name, k = f"{base}-{k}", k + 1
         names.add(name)
-        sources.append(SourceConfig(name=name, kind="files", path=str(path.resolve())))
+        globs = dict(include=list(include), exclude=list(exclude)) if path.is_dir() else {}
+        sources.append(SourceConfig(name=name, kind="files", path=str(path.resolve()), **globs))
     if not sources:
         raise ConfigError(f"{flag} needs at least one file or folder")
+    if (include or exclude) and not any(s.include or s.exclude for s in sources):
+        raise ConfigError(f"--include / --exclude choose what a folder contributes; {flag} names no folder "
+                          f"(got {', '.join(map(str, paths))})")
     return sources
 
 
@@ -57,64 +60,9 @@ def _text_of(value, where: str):
     raise UsageError(f"{where} is a {type(value).__name__}, expected a string")
 
 
-def _unreadable(path: Path, where: str, exc: OSError) -> ConfigError:
-    return ConfigError(f"{where}: {path} cannot be read ({exc.strerror or exc}); make it readable or remove it "
-                       f"from the source")
-
-
-def _walk(root: Path, where: str) -> list[Path]:
-    """Every file under ``root`` with a source suffix (linked folders followed, each real folder
-    once). A folder that cannot be listed, a broken link or a special file (fifo, device) with a
-    source suffix is an error, never skipped."""
-    def fail(exc: OSError):
-        raise _unreadable(Path(exc.filename or root), where, exc)
-
-    found, seen = [], set()
-    for folder, subdirs, names in os.walk(root, onerror=fail, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:                 # a link back up the tree: already read
-            subdirs[:] = []
-            continue
-        seen.add(real)
-        for name in names:
-            path = Path(folder) / name
-            if path.suffix not in FILE_SUFFIXES:
-                continue
-            if not path.exists():
-                raise ConfigError(f"{where}: {path} is a broken link (its target does not exist); fix or remove it")
-            if not path.is_file():
-                raise ConfigError(f"{where}: {path} is not a regular file; remove it from the source folder")
-            found.append(path)
-    return found
-
-
-def _check_readable(path: Path, where: str) -> None:
-    if not os.access(path, os.R_OK):
-        raise _unreadable(path, where, PermissionError(13, "permission denied"))
-
-
 def list_files(src: SourceConfig, where: str) -> list[Path]:
-    """The files a ``files`` source reads, in reading order (each checked to be readable)."""
-    root = Path(src.path).expanduser()
-    if not root.exists():
-        if root.is_symlink():
-            raise ConfigError(f"{where}.path {src.path!r} is a broken link (its target does not exist)")
-        raise ConfigError(f"{where}.path {src.path!r} does not exist")
-    if root.is_file():
-        if root.suffix not in FILE_SUFFIXES:
-            raise ConfigError(f"{where}.path {src.path!r} must end in one of {', '.join(FILE_SUFFIXES)}")
-        _check_readable(root, f"{where}.path")
-        return [root]
-    if not root.is_dir():
-        raise ConfigError(f"{where}.path {src.path!r} is neither a file nor a folder")
-    if not os.access(root, os.R_OK | os.X_OK):
-        raise _unreadable(root, f"{where}.path", PermissionError(13, "permission denied"))
-    files = sorted(_walk(root, f"{where}.path"), key=lambda p: p.relative_to(root).as_posix())
-    if not files:
-        raise ConfigError(f"{where}.path {src.path!r} is a folder with no {', '.join(FILE_SUFFIXES)} files")
-    for path in files:
-        _check_readable(path, f"{where}.path")
-    return files
+    """The files a ``files`` source reads, in reading order (:func:`.selection.select_files`)."""
+    return select_files(src, where).files
 
 
 def _read_error(path: Path, exc: OSError) -> UsageError:
@@ -185,12 +133,12 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
 
 def _files_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]:
     for path in list_files(src, where):
-        if path.suffix == ".txt":
-            docs = _read_txt(path)
-        elif path.suffix == ".jsonl":
+        if path.suffix == ".jsonl":
             docs = _read_jsonl(path, src.text_field)
-        else:
+        elif path.suffix == ".parquet":
             docs = _read_parquet(path, src.text_field)
+        else:                            # text of any name (selection decided it by content)
+            docs = _read_txt(path)
         yield from ((str(path), doc) for doc in docs)
 
 
@@ -270,7 +218,7 @@ def _content_sha256(root: Path, files: list[Path], where: str, stamps: dict | No
         try:
             digest, stamp = file_digest(path, known.get(name))
         except OSError as exc:
-            raise _unreadable(path, f"{where}.path", exc) from None
+            raise unreadable(path, f"{where}.path", exc) from None
         digests.append([name, digest])
         if stamps is not None and stamp is not None:
             stamps[name] = stamp

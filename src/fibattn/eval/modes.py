@@ -30,29 +30,15 @@ EVAL_MODES = SCALING_KINDS + ("window",)
 WINDOW_MODE = "dense-window"          # the recorded name of the window mode (unchanged since it was added)
 
 
-def resolve_mode(mode=None, *, rope_scaling=None, dense_window: bool = False) -> str:
-    """The one evaluation mode the options name (``none`` when none is named): ``mode`` (``--mode``),
-    ``rope_scaling`` (``--rope-scaling``, a scaling kind) and ``dense_window`` (``--dense-window``, the
-    window mode) are spellings of the same choice; two that disagree are a ValueError naming both."""
-    picks = []
-    if mode is not None:
-        if mode not in EVAL_MODES:
-            raise UsageError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
-        picks.append(("--mode", mode))
-    if rope_scaling is not None:
-        if rope_scaling not in SCALING_KINDS:
-            raise UsageError(f"--rope-scaling must be one of {', '.join(SCALING_KINDS)}, got {rope_scaling!r}")
-        picks.append(("--rope-scaling", rope_scaling))
-    if dense_window:
-        picks.append(("--dense-window", "window"))
-    chosen = {m for _, m in picks}
-    if ("--rope-scaling", "none") in picks and ("--mode", "none") not in picks and chosen == {"none", "window"}:
-        chosen.discard("none")                   # no RoPE scaling goes with the window mode
-    if len(chosen) > 1:
-        said = ", ".join(f"{flag} {m}" if flag != "--dense-window" else flag for flag, m in picks)
-        raise UsageError(f"evaluation mode given twice with different values ({said}); choose one of "
-                         f"{', '.join(EVAL_MODES)} (RoPE scaling and the dense window do not combine)")
-    return chosen.pop() if chosen else "none"
+def resolve_mode(mode=None, *, dense_window: bool = False) -> str:
+    """The one evaluation mode named (``none`` when none is): ``mode`` is ``fibattn eval --mode``;
+    ``dense_window=True`` (:func:`fibattn.eval.perplexity.evaluate`'s keyword) spells ``window``."""
+    if mode is not None and mode not in EVAL_MODES:
+        raise UsageError(f"--mode must be one of {', '.join(EVAL_MODES)}, got {mode!r}")
+    if dense_window and mode not in (None, "window"):
+        raise UsageError(f"dense_window=True is mode 'window' and does not combine with mode {mode!r}; "
+                         f"choose one of {', '.join(EVAL_MODES)}")
+    return "window" if dense_window else mode or "none"
 
 
 def mode_name(mode: str, reach: str, factor=None, documents: bool = False) -> str:
@@ -116,12 +102,13 @@ def dense_window_mode(model, band: int):
     check_int("dense window", band, 1)
     layers = _layers(model)
     if not layers or any(layer.attention != "dense" for layer in layers):
-        raise UsageError("--mode window (--dense-window) needs a dense model (model.attention=dense); this one is "
+        raise UsageError("--mode window needs a dense model (model.attention=dense); this one is "
                          "sparse or has no attention layers")
     for layer in layers:
         layer.attend = lambda q, k, v, document_ids=None: banded_attention(q, k, v, band, document_ids)
+        layer.window_band = band          # what context parallelism reads: the band is a distance set (method.md §9)
     try:
         yield
     finally:
         for layer in layers:
-            del layer.attend
+            del layer.attend, layer.window_band

@@ -68,6 +68,7 @@ __all__ = ["REACH_MODES", "SCALING_KINDS", "WINDOW_MODE", "EvalRecord", "EvalRep
            "window_starts"]
 
 _LOGIT_ELEMS = 1 << 25           # logits materialised at once (B * chunk * V), ~128 MB in fp32
+PROGRESS_S = 10.0                # scoring that takes longer says how far it is, this often
 _logged: set = set()
 
 
@@ -230,15 +231,22 @@ def _check_arrays(token_arrays) -> dict:
 
 
 def _score_length(model, arr: np.ndarray, n: int, length: int, batch_size: int, precision: str,
-                  device: torch.device, eos: int | None = None, context=None) -> tuple[np.ndarray, np.ndarray, int]:
+                  device: torch.device, eos: int | None = None, context=None,
+                  label: str = "") -> tuple[np.ndarray, np.ndarray, int]:
     """Summed NLL and scored count per window position ``(L,)``, and the number of windows,
     over the windows of :func:`window_plan`; ``eos``: documents end at it and are scored each on
     its own (document masking), else None; ``context``: a :class:`fibattn.parallel.ContextGroup`
-    sharing each window (method.md §9)."""
+    sharing each window (method.md §9); ``label``: what a progress line every :data:`PROGRESS_S` names."""
     pos_sum = np.zeros(length, dtype=np.float64)
     pos_count = np.zeros(length, dtype=np.int64)
     plan = window_plan(n, length)
+    start = last = time.perf_counter()
     for j in range(0, len(plan), batch_size):
+        now = time.perf_counter()
+        if j and now - last >= PROGRESS_S:
+            last = now
+            log.info("fibattn eval: %s: %d/%d windows (%.0f%%), eta %.0fs", label, j, len(plan), 100 * j / len(plan),
+                     (now - start) / j * (len(plan) - j))
         chunk = plan[j:j + batch_size]
         x = torch.from_numpy(np.stack([arr[s:s + length] for s, _ in chunk]).astype(np.int64)).to(device)
         y = torch.from_numpy(np.stack([arr[s + 1:s + length + 1] for s, _ in chunk]).astype(np.int64)).to(device)
@@ -305,8 +313,6 @@ def evaluate(model, token_arrays: dict, lengths, *, tokens: int = 1 << 20, reach
                         f"a batch of up to {batch_size} windows (--batch-size) with their logits", device)
     if document_eos is not None:
         document_eos = check_int("document_eos", document_eos, 0)
-    if context is not None and dense_window:
-        raise UsageError("--mode window is not available under context parallelism (--context-parallel)")
     report = EvalReport(settings={"lengths": lengths, "tokens_budget": tokens, "reach": reach,
                                   "mode": mode_name(kind, reach, rope_factor, document_eos is not None),
                                   "eval_mode": kind,
@@ -340,12 +346,14 @@ def _evaluate_split(model, report: EvalReport, name: str, arr: np.ndarray, lengt
     nbytes = count_bytes(tokenizer, targets) if tokenizer is not None else None
     sha = hashlib.sha256(targets.astype(np.int64).tobytes()).hexdigest()
     report.datasets[name] = {"tokens": n, "bytes": nbytes, "sha256": sha, "first": 1, "last": n}
+    log.info("fibattn eval: %s: scoring the same %d tokens (of %d; budget tokens=%d) at length%s %s", name, n,
+             len(arr) - 1, tokens, "s" if len(lengths) > 1 else "", ", ".join(map(str, lengths)))
     for length in lengths:
         t0 = time.perf_counter()
         with rope_scaling_mode(model, s["rope_scaling"] or "none", s["rope_factor"], length=length,
                                original_len=s["train_len"]) as sc:
             pos_sum, pos_count, windows = _score_length(model, arr, n, length, batch_size, precision, device,
-                                                        s["document_eos"], context)
+                                                        s["document_eos"], context, f"{name} @ {length}")
         if int(pos_count.sum()) != n:                                  # each target once, at every length
             raise RuntimeError(f"internal error: length {length} scored {int(pos_count.sum())} targets, not {n}")
         total = float(pos_sum.sum())

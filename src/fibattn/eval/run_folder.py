@@ -146,16 +146,14 @@ def _db_path(db: str, run_dir: Path, cfg):
 
 # ----------------------------------------------------------------------------- API
 def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=None, reach=None,
-                 dense_window: bool = False, batch_size=None, device: str | None = None, precision: str = "auto",
+                 batch_size=None, device: str | None = None, precision: str = "auto",
                  data=None, json_out=None, db: str = "", plot: bool = True, buckets: int = 32,
-                 alpha_report: bool = True, mode: str | None = None, rope_scaling: str | None = None,
-                 rope_factor: float | None = None, document_masking: bool | None = None,
+                 alpha_report: bool = True, mode: str | None = None, rope_factor: float | None = None, document_masking: bool | None = None,
                  context_parallel: int = 1) -> E.EvalReport:
     """Evaluate a run folder's checkpoint; settings default to the run's ``eval`` config.
 
-    ``mode``: ``none | linear | ntk | yarn | window`` (:mod:`fibattn.eval.modes`); ``rope_scaling``
-    (a scaling kind) and ``dense_window=True`` (``window``) are other spellings of it. Each mode's
-    results are stored under their own name (``report.settings["mode"]``), beside the others.
+    ``mode``: ``none | linear | ntk | yarn | window`` (:mod:`fibattn.eval.modes`; ``fibattn eval
+    --mode``, the one option for this choice). Each mode's results are stored under their own name (``report.settings["mode"]``), beside the others.
 
     ``db``: ``""`` (the run's results DB), a path, or ``"off"``. ``data``: a prepared
     data folder or ``TokenData`` (default: the run's ``data.out_dir``). ``device``:
@@ -168,13 +166,13 @@ def evaluate_run(run_dir, *, step="latest", lengths=None, datasets=None, tokens=
     check_int("--context-parallel", context_parallel, 1)
     dev = resolve_device(device) if device is not None else None      # a bad --device fails before joining
     with joined(context_parallel, device=dev) as context:
-        return _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, dense_window, batch_size, device,
-                             precision, data, json_out, db, plot, buckets, alpha_report, mode, rope_scaling,
+        return _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, batch_size, device,
+                             precision, data, json_out, db, plot, buckets, alpha_report, mode,
                              rope_factor, document_masking, context)
 
 
-def _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, dense_window, batch_size, device, precision,
-                  data, json_out, db, plot, buckets, alpha_report, mode, rope_scaling, rope_factor, document_masking,
+def _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, batch_size, device, precision,
+                  data, json_out, db, plot, buckets, alpha_report, mode, rope_factor, document_masking,
                   context) -> E.EvalReport:
     from . import alpha_report as A
     from .. import plots
@@ -187,7 +185,7 @@ def _evaluate_run(run_dir, step, lengths, datasets, tokens, reach, dense_window,
         E.check_lengths(lengths)
     if reach is not None and reach not in E.REACH_MODES:
         raise UsageError(f"--reach must be one of {', '.join(E.REACH_MODES)}, got {reach!r}")
-    kind = resolve_mode(mode, rope_scaling=rope_scaling, dense_window=dense_window)     # bad modes fail first
+    kind = resolve_mode(mode)                                                           # bad modes fail first
     if rope_factor is not None:
         check_factor(rope_factor, "--rope-factor")
         if kind not in SCALING_KINDS[1:]:

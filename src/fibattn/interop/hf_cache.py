@@ -1,4 +1,6 @@
-"""A constant-memory transformers ``Cache`` for models switched to fibattn by :func:`~.hf_llama.apply_fibattn`.
+"""A constant-memory transformers ``Cache`` for models switched to fibattn by :func:`~.hf_llama.apply_fibattn`,
+and for ``fibattn export --format hf`` models loaded with ``trust_remote_code=True`` (whose own ``generate``
+already defaults to the same kind of cache, shipped in the export: ``FibattnCache``).
 
     from fibattn.interop.hf_cache import FibCache
     cache = FibCache(model, context=len(prompt) + max_new_tokens)    # context=None when reach_len is set
@@ -52,6 +54,10 @@ try:
 except ImportError as exc:                    # no transformers, or one without the layered cache API
     raise ImportError("fibattn.interop.hf_cache needs a transformers with layered caches (transformers.cache_utils."
                       "DynamicLayer; tested with 5.24): pip install -U 'fibattn[hf]'") from exc
+
+
+# the attention of `fibattn export --format hf` remote code (hf_remote): it reads the same key marks
+REMOTE_IMPL = "fibattn_llama"
 
 
 class FibCacheLayer(DynamicLayer):
@@ -110,9 +116,10 @@ class FibCacheLayer(DynamicLayer):
 
 def _specs(model) -> list[LayerSpec]:
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl != IMPL_NAME:
-        raise UsageError(f"FibCache needs a model switched to fibattn (apply_fibattn or hf_llama.from_pretrained); "
-                         f"its attn_implementation is {impl!r}")
+    if impl not in (IMPL_NAME, REMOTE_IMPL):
+        raise UsageError(f"FibCache needs a model switched to fibattn (apply_fibattn or hf_llama.from_pretrained) "
+                         f"or an `export --format hf` model loaded with trust_remote_code=True; its "
+                         f"attn_implementation is {impl!r}")
     specs = [getattr(m, "fibattn_spec", None) or _spec_from_config(m) for m in attention_modules(model)]
     if not specs or not all(isinstance(s, LayerSpec) for s in specs):
         raise UsageError(f"FibCache: {type(model).__name__} has attention layers without a fibattn spec; "

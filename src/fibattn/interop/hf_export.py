@@ -12,7 +12,8 @@ embeddings), so its weights load into ``LlamaForCausalLM`` with three changes:
   the folder becomes transformers remote code: ``config.json`` names its own model type
   (``fibattn_llama``) and, through ``auto_map``, the two files of :mod:`fibattn.interop.hf_remote`,
   copied verbatim. ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads it
-  without fibattn (the pattern as a boolean mask); without ``trust_remote_code`` transformers
+  without fibattn (only the attended columns, in plain PyTorch, and a constant-memory cache that
+  ``generate`` uses by default); without ``trust_remote_code`` transformers
   refuses the folder rather than load it dense. ``hf_llama.from_pretrained(OUT)`` loads it onto
   fibattn's op. A dense model is a plain Llama folder.
 
@@ -45,8 +46,9 @@ SPARSE_LOAD = [
     "model = AutoModelForCausalLM.from_pretrained(\"PATH\", trust_remote_code=True)   # torch + transformers only",
     "tokenizer = AutoTokenizer.from_pretrained(\"PATH\", trust_remote_code=True)",
     "# the sparse attention is modeling_fibattn_llama.py (here); without trust_remote_code=True transformers refuses",
-    "# the folder (model type fibattn_llama) rather than load it dense. With fibattn installed, unpadded forwards run",
-    "# on its fast op; or load the weights into transformers' own Llama on that op, without remote code:",
+    "# the folder (model type fibattn_llama) rather than load it dense. It computes only the attended columns and",
+    "# model.generate keeps a constant-memory cache (FibattnCache, in the folder). With fibattn installed, unpadded",
+    "# forwards run on its fast op; or load the weights into transformers' own Llama on that op, without remote code:",
     "# from fibattn.interop import hf_llama; model = hf_llama.from_pretrained(\"PATH\")"]
 DENSE_LOAD = [
     "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -57,7 +59,7 @@ _COMMON_FILES = ("`model.safetensors`, `tokenizer.json` / `tokenizer_config.json
 SPARSE_FILES = ("transformers remote code (`fibattn export --format hf`): `config.json` (model type `fibattn_llama`, a "
                 "LlamaConfig with the sparse settings in `fibattn`, `auto_map` naming the next two files), "
                 "`configuration_fibattn_llama.py` and `modeling_fibattn_llama.py` (a LlamaForCausalLM whose attention "
-                "sees each layer's attended distances), " + _COMMON_FILES)
+                "computes only each layer's attended distances, and its constant-memory generation cache), " + _COMMON_FILES)
 DENSE_FILES = "transformers' Llama folder (`fibattn export --format hf`): `config.json` (LlamaConfig), " + _COMMON_FILES
 
 
@@ -80,7 +82,7 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     """Write ``out_dir`` as a transformers folder: remote code for a sparse model (settings in
     ``config.fibattn``), a plain Llama for a dense one."""
     transformers = _require()
-    from ..files import check_creatable
+    from ..files import check_creatable, give_usual_modes, make_parents
     from .hf_llama import apply_fibattn
     from ..model.attention import config_base
     out = check_creatable(out_dir, "the export folder (OUT)")
@@ -96,13 +98,15 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
         vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden, num_hidden_layers=m.n_layers,
         num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
         rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, tie_word_embeddings=m.tie_embeddings, attention_bias=False,
-        mlp_bias=False, attention_dropout=0.0, eos_token_id=getattr(tokenizer, "eos_id", None))
+        mlp_bias=False, attention_dropout=0.0, eos_token_id=getattr(tokenizer, "eos_id", None),
+        bos_token_id=getattr(tokenizer, "bos_id", None), pad_token_id=None)   # fibattn's tokenizers add no BOS
     llama = transformers.LlamaForCausalLM(hf_cfg)
     llama.load_state_dict(llama_state_dict(model), strict=True)
     sparse = m.attention == "sparse"
     if sparse:
         apply_fibattn(llama, window=m.window, base=config_base(m), schedule="custom", alphas=model.alphas(),
                       reach_len=m.seq_len if m.reach == "train" else None)
+    make_parents(out)                         # a new exports/ gets a .gitignore of "*"
     llama.save_pretrained(out)
     if sparse:
         _as_remote_code(out)
@@ -111,9 +115,11 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
             (out / name).write_bytes(data)
     c = Checkpoint.open(ckpt)
     (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
-                                            files=SPARSE_FILES if sparse else DENSE_FILES))
+                                            files=SPARSE_FILES if sparse else DENSE_FILES, library="transformers",
+                                            tags=("llama", "custom_code") if sparse else ("llama",)))
     source = {"run": cfg.name, "step": c.step, "fibattn_model": to_dict(m)}
     (out / "fibattn_source.json").write_text(json.dumps(source, indent=1) + "\n")
+    give_usual_modes(out)                     # save_pretrained leaves model.safetensors 0600
     return out
 
 

@@ -269,7 +269,8 @@ def apply_fibattn(model, *, window: int = 12, base="fib", schedule: str = "linea
                   backend: str = "auto"):
     """Switch a transformers Llama-style model to fibattn attention in place; returns the model.
 
-    ``base``: ``"fib"``, ``"pow2"``, a :class:`fibattn.schedules.Base` or a list of integers;
+    ``base``: ``"fib"``, ``"pow2"``, ``"none"`` (the window alone), a :class:`fibattn.schedules.Base` or a
+    list of integers;
     ``schedule``: fixed | linear | coprime | custom (``alphas``, one per layer);
     ``reach_len``: cap distances at ``reach_len - 1`` (method.md §1 ``reach="train"``); ``None``
     rebuilds them at every length (the study's behaviour).
@@ -306,17 +307,22 @@ def from_pretrained(path, *, model_class=None, **kwargs):
     """Load a model saved after :func:`apply_fibattn` with its sparse attention (``kwargs`` go to
     transformers' ``from_pretrained``); a folder without fibattn settings is an error, never a silent
     dense model. A ``fibattn export --format hf`` folder (model type ``fibattn_llama``) loads as the
-    ``LlamaForCausalLM`` it is, without its remote code."""
+    ``LlamaForCausalLM`` it is, without its remote code, its RoPE angles in float64 as the FibLM's
+    (:func:`float64_rope`)."""
     transformers = _require_transformers()
     register()
     cls = model_class or transformers.AutoModelForCausalLM
+    exported = False
     if model_class is None and "config" not in kwargs:
         hub = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
         saved = transformers.LlamaConfig.get_config_dict(path, **hub)[0]
         if saved.get("model_type") == "fibattn_llama":  # `export --format hf` remote code: its Llama, no remote code
             saved = {k: v for k, v in saved.items() if k not in ("model_type", "auto_map", "architectures")}
             cls, kwargs["config"] = transformers.LlamaForCausalLM, transformers.LlamaConfig.from_dict(saved)
+            exported = True
     model = cls.from_pretrained(path, attn_implementation=IMPL_NAME, **kwargs)
+    if exported:            # a FibLM's export: its RoPE angles as fibattn computes them (float64)
+        float64_rope(model)
     if not isinstance(getattr(model.config, "fibattn", None), dict):
         raise UsageError(f"{path}: its config.json has no 'fibattn' settings (it was not saved after apply_fibattn); "
                          f"load it with transformers and call apply_fibattn(model, ...)")
@@ -325,6 +331,31 @@ def from_pretrained(path, *, model_class=None, **kwargs):
     check_keys(f"{path}: config.json 'fibattn.base'", saved.get("base") or {}, ("kind", "k", "values"))
     for module in attention_modules(model):
         _spec_from_config(module)
+    return model
+
+
+class _Float64Rotary:
+    """transformers' default RoPE with float64 angles, as fibattn's tables (model/rope.py): float32 angles drift
+    with the position (about 2e-4 rad at 4096), which moved an export's logits past 1e-5 at 4x its length."""
+
+    def forward(self, x, position_ids):
+        params = getattr(self.config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", getattr(self.config, "rope_theta", 10000.0))
+        half = self.inv_freq.shape[-1]
+        dev = x.device if x.device.type != "mps" else torch.device("cpu")      # mps has no float64
+        inv = theta ** (-torch.arange(half, dtype=torch.float64, device=dev) * 2 / (2 * half))
+        ang = position_ids[..., None].to(dev, torch.float64) * inv
+        emb = torch.cat((ang, ang), dim=-1)
+        scale = getattr(self, "attention_scaling", 1.0)
+        return (emb.cos() * scale).to(x.device, x.dtype), (emb.sin() * scale).to(x.device, x.dtype)
+
+
+def float64_rope(model):
+    """Compute the model's default (unscaled) RoPE angles in float64, as a FibLM does; returns the model."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is not None and getattr(rotary, "rope_type", "default") == "default" \
+            and not isinstance(rotary, _Float64Rotary):
+        rotary.__class__ = type(f"Float64{type(rotary).__name__}", (_Float64Rotary, type(rotary)), {})
     return model
 
 

@@ -37,11 +37,11 @@ def config_base(model_cfg) -> Base:
     """The :class:`Base` a :class:`fibattn.config.ModelConfig` describes."""
     if model_cfg.base == "fib":
         return Base("fib", k=model_cfg.base_k)
-    if model_cfg.base == "pow2":
-        return Base("pow2")
+    if model_cfg.base in ("pow2", "none"):
+        return Base(model_cfg.base)
     if model_cfg.base == "custom":
         return Base("custom", values=tuple(model_cfg.base_values))
-    raise UsageError(f"model.base must be one of fib, pow2, custom, got {model_cfg.base!r}")
+    raise UsageError(f"model.base must be one of fib, pow2, custom, none, got {model_cfg.base!r}")
 
 
 def config_layer_alphas(model_cfg) -> list[float]:

@@ -134,33 +134,39 @@ class RotaryEmbedding(nn.Module):
         # a plain float64 CPU tensor, not a buffer: model.to(bfloat16) must not round it
         self._inv_freq = theta ** (-torch.arange(head_dim // 2, dtype=torch.float64, device="cpu") * 2 / head_dim)
         self.scaling: RopeScaling | None = None      # set for one evaluation by rope_scaling_mode
-        self._cache: dict = {}        # (device, scaling) -> float32 (n, Dh/2, 2): (cos, sin) for positions 0..n-1
+        self._cache: dict = {}        # (device, scaling) -> (lo, float32 (n, Dh/2, 2)): (cos, sin) of lo..lo+n-1
 
     @property
     def inv_freq(self) -> torch.Tensor:
         """The frequencies in use (float64, CPU): plain, or those of :attr:`scaling`."""
         return self._inv_freq if self.scaling is None else self.scaling.inv_freq(self.theta, self.head_dim)
 
-    def rotations(self, end: int, device) -> torch.Tensor:
-        """``(cos, sin)`` of ``pos * freq`` as float32 ``(end, Dh/2, 2)`` for positions ``0..end-1``
-        (real, so that a compiled graph holds no complex tensor); times ``scaling.qk_scale`` under yarn."""
+    def rotations(self, end: int, device, start: int = 0) -> torch.Tensor:
+        """``(cos, sin)`` of ``pos * freq`` as float32 ``(end - start, Dh/2, 2)`` for positions
+        ``start..end-1`` (real, so that a compiled graph holds no complex tensor); times
+        ``scaling.qk_scale`` under yarn. The cached table covers a range of positions, not a prefix:
+        a context-parallel rank holding rows ``[r·c, (r+1)·c)`` keeps ``c`` rows, not ``(r+1)·c``
+        (method.md §9); a decode step past the range rebuilds it from there, twice as long."""
         if end > self.max_seq_len:
             raise UsageError(f"position {end - 1} exceeds model.max_seq_len={self.max_seq_len}; "
                              f"raise model.max_seq_len (positions must be < max_seq_len)")
         key = (str(device), self.scaling)          # a scaling change selects other tables, never stale ones
-        hit = self._cache.get(key)
-        if hit is None or hit.shape[0] < end:
-            n = max(end, 2 * hit.shape[0] if hit is not None else 0)
-            n = min(max(n, 256), self.max_seq_len)
-            ang = torch.arange(n, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq[None, :]
+        lo, hit = self._cache.get(key, (0, None))
+        if hit is None or start < lo or lo + hit.shape[0] < end:
+            n = end - start
+            if hit is not None and start >= lo:     # growing past the range (decoding): amortised doubling
+                n = max(n, 2 * hit.shape[0])
+            lo = start
+            n = min(max(n, 256), self.max_seq_len - lo)
+            ang = torch.arange(lo, lo + n, dtype=torch.float64, device="cpu")[:, None] * self.inv_freq[None, :]
             table = torch.stack([ang.cos(), ang.sin()], dim=-1)
             if self.scaling is not None and self.scaling.qk_scale != 1.0:
                 table = table * self.scaling.qk_scale
             hit = table.to(device=device, dtype=torch.float32)
             if key not in self._cache and len(self._cache) >= _CACHE_MAX:
                 self._cache = {}
-            self._cache[key] = hit
-        return hit[:end]
+            self._cache[key] = (lo, hit)
+        return hit[start - lo:end - lo]
 
     def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         if x.dim() != 4 or x.shape[-1] != self.head_dim:
@@ -168,7 +174,7 @@ class RotaryEmbedding(nn.Module):
         if offset < 0:
             raise UsageError(f"offset must be >= 0, got {offset}")
         B, H, T, Dh = x.shape
-        rot = self.rotations(offset + T, x.device)[offset:]
+        rot = self.rotations(offset + T, x.device, offset)
         pairs = x.float().reshape(B, H, T, Dh // 2, 2)
         if torch.compiler.is_compiling():          # inductor has no complex kernels: the same rotation in reals
             c, s = rot[..., 0], rot[..., 1]

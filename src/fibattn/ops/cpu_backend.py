@@ -9,6 +9,8 @@ The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (defa
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
 and the CPU's feature flags; it is compiled to a temporary file and renamed, so
 concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
+Head sizes of 2-16 SIMD vectors (fp32 Dh 16-128 with AVX2) run register-blocked rows; others, or
+``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
 The library needs ``libgomp.so.1``; loaded after torch it binds to the copy torch already
 loaded, so the kernels and torch share one OpenMP runtime.
 """
@@ -36,10 +38,14 @@ log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 10
+_ABI = 11
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# "tiled": register-blocked rows for head sizes of 2-16 SIMD vectors; "rows": the generic rows
+# only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
+KERNELS = ("tiled", "rows")
+kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"
 
 
 @dataclass
@@ -207,6 +213,12 @@ def _positions(off, q: torch.Tensor):
     return off.contiguous()
 
 
+def _fast() -> ctypes.c_int:
+    if kernel not in KERNELS:
+        raise UsageError(f"FIBATTN_CPU_KERNEL must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    return ctypes.c_int(kernel == "tiled")
+
+
 def _pointer(x: torch.Tensor | None):
     return None if x is None else _ptr(x.data_ptr())
 
@@ -222,7 +234,7 @@ def attn_forward(q, k, v, cols, scale: float, off=None):
     P = q.new_empty(*q.shape[:3], C)
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
@@ -242,7 +254,7 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout, P, dS, dq, dk, dv)),
                     _pointer(dfrac), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_bwd could not allocate its scratch buffers")

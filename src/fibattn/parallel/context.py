@@ -144,9 +144,11 @@ class _Halo(torch.autograd.Function):
 
 
 def layer_dists(layer, seq_len: int) -> list[int] | None:
-    """Distances a layer reads at the global length (both taps of an interpolated rung); None for dense."""
+    """Distances a layer reads at the global length (both taps of an interpolated rung); None for dense
+    (a dense layer under evaluation's window mode, ``window_band`` set: its band ``0..band-1``)."""
     if layer.attention == "dense":
-        return None
+        band = getattr(layer, "window_band", None)
+        return None if band is None else list(range(min(band, seq_len)))
     if not layer.learned:
         return layer.distances(seq_len)
     plan = interpolation_plan(layer.window, layer.current_alpha(), layer.base, seq_len, reach=layer._reach_arg())
@@ -185,13 +187,17 @@ def attend(layer, shard: ContextShard, q, k, v, document_ids=None):
 def sharded(model, shard: ContextShard):
     """Every attention layer of ``model`` attends as rank ``shard.rank`` of its group (restored after)."""
     layers = list(model.layers())
+    before = [layer.__dict__.get("attend") for layer in layers]      # another mode's override (window mode)
     for layer in layers:
         layer.attend = lambda q, k, v, document_ids=None, layer=layer: attend(layer, shard, q, k, v, document_ids)
     try:
         yield shard
     finally:
-        for layer in layers:
-            del layer.attend
+        for layer, old in zip(layers, before):
+            if old is None:
+                del layer.attend
+            else:
+                layer.attend = old
 
 
 

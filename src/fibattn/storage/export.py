@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from safetensors.torch import save as st_save
 from .. import __version__
 from ..checks import UsageError
 from ..data.autotokenizer import hf_tokenizer_files
-from ..files import atomic_write_bytes, atomic_write_text, check_creatable, fsync_dir, naming_os_errors
+from ..files import (atomic_write_bytes, atomic_write_text, check_creatable, fsync_dir, make_parents,
+                     naming_os_errors)
 from . import checkpoint as ck
 from . import pretrained as hub
 from .runs import EVAL_JSON, read_eval_doc
@@ -86,6 +88,9 @@ def _architecture_lines(model, m) -> list[str]:
              f"vocabulary {m.vocab_size}, RoPE theta {m.rope_theta:g}, trained at length {m.seq_len}"]
     if m.attention == "dense":
         return lines + ["- attention: dense (full causal)"]
+    if m.base == "none":                # the window-only control: alpha places no column
+        return lines + [f"- attention: sliding window only (no rungs, base `none`): each query attends distances "
+                        f"0..{m.window} ({m.window + 1} columns) in every layer"]
     base = {"fib": f"fib (first {m.base_k} Fibonacci numbers 1, 2, 3, 5, ...)", "pow2": "pow2 (1, 2, 4, ...)",
             "custom": f"custom {list(m.base_values)}"}[m.base]
     lines += [f"- attention: sparse; window W={m.window}, base {base}, schedule `{m.schedule}`, reach `{m.reach}`",
@@ -130,8 +135,39 @@ FIBATTN_FILES = ("`config.json` (model config, versions, sha256 of every file), 
                  "(transformers' AutoTokenizer). No pickle: only JSON and safetensors are read when loading.")
 
 
-def model_card(model, cfg, step: int, manifest, eval_doc, *, load=FIBATTN_LOAD, files=FIBATTN_FILES) -> str:
-    parts = [f"# fibattn model: {cfg.name} (step {step})", "",
+def _hub_id(path) -> str | None:
+    """A Hugging Face hub id for a source path: ``org/name`` from a hub cache folder (``models--org--name``) or a
+    relative ``org/name`` that is no local path; None for a local folder (no id to cite)."""
+    if not path:
+        return None
+    for part in Path(path).parts:
+        if part.startswith(("models--", "datasets--")) and part.count("--") >= 2:
+            return "/".join(part.split("--")[1:])
+    ok = re.fullmatch(r"[\w.-]+/[\w.-]+", str(path))
+    return str(path) if ok and not Path(path).expanduser().exists() else None
+
+
+def card_metadata(cfg, *, library: str = "fibattn", tags=()) -> list[str]:
+    """The model card's YAML front matter, which model hubs read: library, pipeline, tags, the base model of a
+    fine-tune or retrofit (when its hub id is known) and the hub datasets it was trained on (values as JSON
+    strings, which YAML reads as they are). No license: fibattn cannot know the one the weights carry."""
+    src = cfg.train.init_source or {}
+    base = _hub_id(src.get("path") or cfg.train.init_from) if cfg.train.init_from else None
+    datasets = [d for d in dict.fromkeys(_hub_id(s.path) for s in cfg.data.sources if s.kind == "hf") if d]
+    tag_list = ["fibattn", "sparse-attention" if cfg.model.attention == "sparse" else "dense-attention",
+                "text-generation", *tags]
+    lines = ["---", f"library_name: {library}", "pipeline_tag: text-generation", "tags:",
+             *[f"- {json.dumps(t)}" for t in tag_list]]
+    if base:
+        lines.append(f"base_model: {json.dumps(base)}")
+    if datasets:
+        lines += ["datasets:", *[f"- {json.dumps(d)}" for d in datasets]]
+    return lines + ["---", ""]
+
+
+def model_card(model, cfg, step: int, manifest, eval_doc, *, load=FIBATTN_LOAD, files=FIBATTN_FILES,
+               library: str = "fibattn", tags=()) -> str:
+    parts = [*card_metadata(cfg, library=library, tags=tags), f"# fibattn model: {cfg.name} (step {step})", "",
              "A decoder language model with depth-staggered Fibonacci sparse attention, exported by "
              f"fibattn {__version__}. Load it with:", "", "```python", *load, "```", "",
              "## Architecture", "", *_architecture_lines(model, cfg.model), "",
@@ -238,7 +274,7 @@ def export_run(run_dir, out_dir, *, step="latest", force: bool = False) -> Path:
     source = {"run": cfg.name, "step": c.step, "checkpoint_model_sha256": c.meta["files"][ck.MODEL]["sha256"]}
     stage = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with naming_os_errors(out, "the export folder (OUT)"):
-        out.parent.mkdir(parents=True, exist_ok=True)
+        make_parents(out)                     # a new exports/ gets a .gitignore of "*"
         if stage.exists():
             shutil.rmtree(stage)
         stage.mkdir()

@@ -1,7 +1,12 @@
 """The report's PNGs, drawn through :mod:`fibattn.plots` (matplotlib Agg).
 
-- ``ppl_vs_length.png``: perplexity against evaluation length, one line per variant, one panel per dataset;
-- ``per_position_loss.png``: mean loss by position in the window at 1× and the longest length;
+- ``ppl_vs_length.png``: perplexity against evaluation length, one line per variant, one panel per dataset,
+  each beside a panel of the change from the training length without dense (the sparse curves overlap
+  on the first: dense's rise sets its scale);
+- ``per_position_loss.png``: mean loss by position in the window at 1× and the longest length the dense
+  model was evaluated at (so that its curve is there);
+- ``fib_vs_window.png``: fib linear against the window of the same cost (and dense) by position, and
+  their difference: where in the context each one wins;
 - ``alphas.png``: alpha per layer at the end of training for learned runs (static schedules dashed);
 - ``distances.png``: the distances each layer attends at the training length, and their union
   (top row), for each schedule — what each schedule actually looks at.
@@ -15,23 +20,31 @@ from ..plots import Panel, Series
 
 
 def _label(r) -> str:
-    return r.name
+    from .grid import control_title
+    title = control_title(r.name) if r.variant == "window" else None
+    return getattr(r, "label", "") or (f"{r.name}: {title}, W={r.window}" if title else r.name)
 
 
 def ppl_vs_length(results, datasets: list[str], path) -> Path | None:
     panels = []
     for d in datasets:
-        series = []
+        series, rel = [], []
         for r in results:
             pts = sorted((n, v) for (ds, n), v in r.ppl.items() if ds == d)
             if pts:
                 series.append(Series(_label(r), [n for n, _ in pts], [v for _, v in pts], marker="o",
                                      linestyle="--" if r.variant.startswith("dense") else "-"))
+            at_t = r.get(d, r.train_len)
+            if pts and at_t and not r.variant.startswith("dense"):
+                rel.append(Series(_label(r), [n for n, _ in pts], [100.0 * (v / at_t - 1) for _, v in pts], marker="o"))
         if series:
             T = results[0].train_len if results else None
             panels.append(Panel(f"{d}: perplexity vs evaluation length", "evaluation length (tokens)", "perplexity",
                                 series, logx=True, logy=True, vline=T,
                                 vline_label=f"training length {T}" if T else ""))
+        if rel:
+            panels.append(Panel(f"{d}: change from the training length (dense left out)", "evaluation length (tokens)",
+                                "% change in perplexity", rel, logx=True, hline=0.0))
     return plots.save_panels(path, panels, panel_size=(8.0 if len(results) > 6 else 6.0, 4.2)) if panels else None
 
 
@@ -40,7 +53,8 @@ def per_position(results, dataset: str, path) -> Path | None:
     lengths = sorted({n for r in results for (d, n) in r.positions if d == dataset})
     if not lengths:
         return None
-    picks = sorted({lengths[0], lengths[-1]})
+    dense = sorted({n for r in results if r.variant == "dense" for (d, n) in r.positions if d == dataset})
+    picks = sorted({lengths[0], (dense or lengths)[-1]})    # sparse runs also go longer: there dense has no curve
     panels = []
     for n in picks:
         series = []
@@ -56,6 +70,43 @@ def per_position(results, dataset: str, path) -> Path | None:
                                 series, logx=True, vline=T if T and T < n else None,
                                 vline_label=f"training length {T}" if T and T < n else ""))
     return plots.save_panels(path, panels, panel_size=(6.0, 4.2)) if panels else None
+
+
+def _curve(r, dataset: str, n: int):
+    buckets = r.positions.get((dataset, n)) or []
+    return [(b["start"] + b["end"] - 1) / 2 + 1 for b in buckets], [b["loss"] for b in buckets]
+
+
+def fib_vs_window(results, dataset: str, path) -> Path | None:
+    """fib linear, the window of the same cost and dense by position at 1× and the longest length all
+    three were evaluated at; a last panel: the window's loss minus fib's (above zero: fib wins there)."""
+    from .controls import pairs
+    found = [(fib, m) for fib, _, m in pairs(results) if m is not None]
+    if not found:
+        return None
+    fib, matched = max(found, key=lambda p: p[0].window)
+    dense = next((r for r in results if r.variant == "dense"), None)
+    runs = [r for r in (fib, matched, dense) if r is not None]
+    common = sorted(set.intersection(*({n for d, n in r.positions if d == dataset} for r in runs)))
+    if not common:
+        return None
+    picks, T = sorted({common[0], common[-1]}), fib.train_len
+    panels, diff = [], []
+    for n in picks:
+        series = []
+        for r in runs:
+            xs, ys = _curve(r, dataset, n)
+            series.append(Series(_label(r), xs, ys, marker=".", linestyle="--" if r is dense else "-"))
+        panels.append(Panel(f"{dataset}, windows of {n}", "position in window (1-based)", "mean loss (nats)", series,
+                            logx=True, vline=T if T < n else None, vline_label=f"training length {T}" if T < n else ""))
+        (xs, f), (_, w) = _curve(fib, dataset, n), _curve(matched, dataset, n)
+        if len(f) == len(w):
+            diff.append(Series(f"windows of {n}", xs, [b - a for a, b in zip(f, w)], marker="."))
+    if diff:
+        panels.append(Panel(f"{matched.name} loss minus {fib.name} loss", "position in window (1-based)",
+                            "loss difference (nats; > 0: fib better)", diff, logx=True, hline=0.0,
+                            vline=T, vline_label=f"training length {T}"))
+    return plots.save_panels(path, panels, panel_size=(6.0, 4.2))
 
 
 def alphas_per_layer(results, path) -> Path | None:
@@ -94,7 +145,7 @@ def layer_distances(r, seq_len: int | None = None) -> list[list[int]]:
 def _pick_per_variant(results) -> list:
     chosen: dict = {}
     for r in results:
-        if r.model is None or r.variant.startswith("dense"):
+        if r.model is None or r.variant.startswith("dense") or r.variant == "window":   # window: no rungs to draw
             continue
         if r.variant not in chosen or (r.window or 0) > (chosen[r.variant].window or 0):
             chosen[r.variant] = r
@@ -154,10 +205,15 @@ def draw_all(results, datasets: list[str], out_dir) -> list[tuple[Path, str]]:
     out = Path(out_dir)
     items = [
         (ppl_vs_length(results, datasets, out / "ppl_vs_length.png"),
-         "Perplexity against evaluation length (dense dashed)."),
+         "Perplexity against evaluation length (dense dashed), and beside it each sparse or window model's change "
+         "from the training length (dense left out: its rise would flatten the others)."),
         (per_position(results, datasets[0], out / "per_position_loss.png") if datasets else None,
          f"Per-position loss on {datasets[0] if datasets else ''}: mean loss by position in the window, at 1× and "
-         "the longest evaluated length."),
+         "the longest length the dense model was evaluated at (dense dashed)."),
+        (fib_vs_window(results, datasets[0], out / "fib_vs_window.png") if datasets else None,
+         f"fib linear against the sliding window of the same cost per query, and dense, on "
+         f"{datasets[0] if datasets else ''}: loss by position, and the window's loss minus fib's (above zero: "
+         "fib is better at that position)."),
         (alphas_per_layer(results, out / "alphas.png"),
          "Alpha per layer at the end of training for learned runs (static linear / coprime schedules dotted)."),
         (distances(results, out / "distances.png"),

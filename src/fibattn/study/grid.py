@@ -71,6 +71,10 @@ def smoke_setting() -> list[str]:
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 SCHEDULE_TAGS = {"fixed": "fixed", "learned": "learned", "linear": "stagger", "coprime": "hdc"}
+# what the report, the demo and the README call each variant (report.variant_of); the run names
+# (fib_hdc, logsparse_stagger, ...) stay the folder and --only names. Controls: CONTROL_TITLES.
+VARIANT_TITLES = {"dense": "dense", "fixed": "fib fixed", "learned": "fib learned", "linear": "fib linear (stagger)",
+                  "coprime": "fib coprime (HDC)", "pow2+fixed": "pow2 fixed", "pow2+linear": "pow2 linear"}
 PAPER_WINDOWS = (6, 8, 10, 12)
 REPLICATE_SEEDS = (43, 44)
 
@@ -85,6 +89,7 @@ class GridRun:
     seed: int = 42
     init_from: str = ""          # another run of the grid whose trained weights start this one (retrofit)
     init_share: float = 0.0      # with init_from: fine-tune steps as a share of the from-scratch steps
+    matches: int = 0             # window_matched: the fib W whose cost its window matches (re-derived after --set)
 
     def config(self, root, extra: list[str] | tuple[str, ...] = (), data_dir: str | None = None) -> RunConfig:
         """The run's validated config, writing to ``ROOT/NAME``.
@@ -99,6 +104,9 @@ class GridRun:
         if data_dir is not None:
             cfg.data.out_dir = data_dir
         C.apply_overrides(cfg, list(extra))
+        if self.matches:         # a --set of the model changes fib's cost: the window follows it
+            given_w = any(o.split("=", 1)[0].strip() == "model.window" for o in extra)
+            cfg.model.window = _matched(cfg.model, cfg.model.window if given_w else self.matches)
         if self.init_from:
             given = {o.split("=", 1)[0].strip() for o in extra}
             if self.init_share:
@@ -151,13 +159,58 @@ def _sparse(base: str, schedule: str, window: int) -> tuple[str, ...]:
             f"model.window={window}", *extra)
 
 
+# the window-only controls (issue 27): name prefix -> what the outputs call them
+CONTROL_TITLES = {"window_rungs_off": "window (rungs off)", "window_matched": "window (matched cost)"}
+
+
+def run_title(name: str, variant: str) -> str:
+    """What outputs call run ``name`` of ``variant``: VARIANT_TITLES, a control's title, else the name."""
+    return (control_title(name) if variant == "window" else VARIANT_TITLES.get(variant)) or name
+
+
+def control_title(name: str) -> str | None:
+    """``window (rungs off)`` / ``window (matched cost)`` for a control run's name, else None."""
+    return next((t for p, t in CONTROL_TITLES.items() if name == p or name.startswith(p + "_")), None)
+
+
+def matched_window_of(preset: str, setting: tuple[str, ...], window: int) -> int:
+    """W of the ``window_matched`` control: as many columns per query, at the training length, as the
+    fib linear (stagger) model of this preset, setting and ``window`` (:func:`fibattn.schedules.matched_window`).
+    Fixed by the configs alone, before any run: no number is tuned toward an answer."""
+    probe = get_preset(preset)
+    C.apply_overrides(probe, list(setting))
+    return _matched(probe.model, window)
+
+
+def _matched(model, window: int) -> int:
+    from ..model.attention import config_base, config_layer_alphas
+    from ..schedules import matched_window
+    m = replace(model, attention="sparse", base="fib", schedule="linear", window=window)
+    return matched_window(m.window, config_layer_alphas(m), config_base(m), m.seq_len)
+
+
+def window_controls(preset: str, setting: tuple[str, ...], window: int, suffix: str = "") -> list[GridRun]:
+    """``window_rungs_off`` (the fib model's W, no rungs: what the rungs add) and ``window_matched`` (no
+    rungs, the fib linear model's cost per query); same recipe as every other run. Alpha is inert
+    without rungs: both use the fixed schedule."""
+    return [GridRun(f"window_rungs_off{suffix}", preset, setting + _window_only(window)),
+            GridRun(f"window_matched{suffix}", preset, setting + _window_only(matched_window_of(preset, setting, window)),
+                    matches=window)]
+
+
+def _window_only(window: int) -> tuple[str, ...]:
+    return ("model.attention=sparse", "model.base=none", "model.schedule=fixed", f"model.window={window}")
+
+
 def paper_runs(preset: str = "paper", setting: tuple[str, ...] = ()) -> list[GridRun]:
-    """method.md §4: dense, fib × {fixed, learned, linear, coprime} × W, pow2 + linear × W, pow2 + fixed at W=8."""
+    """method.md §4: dense, fib × {fixed, learned, linear, coprime} × W, pow2 + linear × W, pow2 + fixed at W=8;
+    and at every W the two window-only controls (:func:`window_controls`)."""
     runs = [GridRun("dense", preset, setting + ("model.attention=dense",))]
     for w in PAPER_WINDOWS:
         for schedule, tag in SCHEDULE_TAGS.items():
             runs.append(GridRun(f"fib_{tag}_w{w}", preset, setting + _sparse("fib", schedule, w)))
         runs.append(GridRun(f"logsparse_stagger_w{w}", preset, setting + _sparse("pow2", "linear", w)))
+        runs += window_controls(preset, setting, w, f"_w{w}")
     runs.append(GridRun("logsparse_w8", preset, setting + _sparse("pow2", "fixed", 8)))
     return runs
 
@@ -173,24 +226,28 @@ def paper_grid() -> Grid:
     w12 = [f"fib_{tag}_w12" for tag in SCHEDULE_TAGS.values()] + ["logsparse_stagger_w12"]
     for seed in REPLICATE_SEEDS:
         runs += [replace(base[n], name=f"{n}_s{seed}", seed=seed) for n in w12]
-    return Grid("paper", runs, "the study's 21-model matrix + dense + seed replicates 43, 44 at W=12 (method.md §4)")
+    return Grid("paper", runs, "the study's 21-model matrix + dense + seed replicates 43, 44 at W=12 (method.md §4) "
+                "+ the window-only controls at every W")
 
 
 def demo_runs(setting: tuple[str, ...], preset: str = "tiny") -> list[GridRun]:
-    """Dense and the six sparse variants at the setting's one window (names without ``_wW``)."""
+    """Dense, the six sparse variants and the two window-only controls at the setting's one window
+    (names without ``_wW``)."""
     runs = [GridRun("dense", preset, setting + ("model.attention=dense",))]
     probe = get_preset(preset)
     C.apply_overrides(probe, list(setting))
     w = probe.model.window
     for schedule, tag in SCHEDULE_TAGS.items():
         runs.append(GridRun(f"fib_{tag}", preset, setting + _sparse("fib", schedule, w)))
+    runs += window_controls(preset, setting, w)              # beside the fib rows in every table
     runs.append(GridRun("logsparse", preset, setting + _sparse("pow2", "fixed", w)))
     runs.append(GridRun("logsparse_stagger", preset, setting + _sparse("pow2", "linear", w)))
     return runs
 
 
 def demo_grid() -> Grid:
-    return Grid("demo", demo_runs(tuple(demo_setting())), "dense + 6 sparse variants, tiny preset, bundled corpus",
+    return Grid("demo", demo_runs(tuple(demo_setting())), "dense + 6 sparse variants + 2 window-only controls, tiny "
+                "preset, bundled corpus",
                 data_under_root=True)
 
 

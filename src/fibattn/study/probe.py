@@ -23,6 +23,9 @@ per distance and final alpha per layer). Presets:
 - ``study``: the study's marked setting (distances 200 and 350, one model for both);
   the sizes (length 384, d_model 128, 4 heads, window 8, 3000 steps × 64) are this
   project's choice, meant for a GPU.
+
+``fibattn probe --extrapolate`` (retrieval past the training length) is
+:mod:`fibattn.study.probe_extrapolate`; it shares this module's training loop (:func:`fit`).
 """
 from __future__ import annotations
 
@@ -78,37 +81,19 @@ class ProbeConfig:
     device: str = "cpu"
 
     def validate(self) -> "ProbeConfig":
-        for name in ("steps", "batch_size", "eval_samples"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UsageError(f"probe {name} must be an integer >= 1 ({_FLAG.get(name, name)}), got {v!r}")
+        check_training(self)
         if not self.depths or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.depths):
             raise UsageError(f"probe depths must be integers (--depths) >= 1, got {self.depths!r}")
         bad = [s for s in self.starts if s not in STARTS]
         if not self.starts or bad:
             raise UsageError(f"probe starts must be among {', '.join(STARTS)} (--starts), got {list(self.starts)!r}")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= 1):
-            raise UsageError(f"probe lr must be a number in (0, 1] (--lr), got {self.lr!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"probe seed must be an integer >= 0 (--seed), got {self.seed!r}")
         self.task.validate()
         try:                                                     # validates the model shape at every depth
             self.model_config(max(self.depths), self.starts[0])
         except ValueError as exc:
             raise UsageError(f"probe depths (--depths) up to {max(self.depths)}: {exc}") from None
-        self._check_fits()
+        check_fits(self, self.task.seq_len, max(self.depths), self.task.vocab_size)
         return self
-
-    def _check_fits(self) -> None:
-        """Refuse sizes whose training batch certainly exceeds the device: per token at least its id, one
-        ``d_model`` activation per layer and the logits with their gradient (float32)."""
-        from ..validation import check_sizes_fit
-        per_token = 8 + 4 * (self.model.d_model * max(self.depths) + 2 * self.task.vocab_size)
-        shape = f"(d_model {self.model.d_model}, depth {max(self.depths)})"
-        check_sizes_fit("--seq-len", [self.task.seq_len], lambda T: T * per_token, f"one training sample {shape}",
-                        self.device)                      # alone first, so a huge batch is blamed on --batch-size
-        check_sizes_fit("--batch-size", [self.batch_size], lambda b: b * self.task.seq_len * per_token,
-                        f"one training batch of --seq-len {self.task.seq_len} {shape}", self.device)
 
     def model_config(self, depth: int, start: str):
         from ..config import ModelConfig
@@ -126,6 +111,30 @@ class ProbeConfig:
         d["task"] = self.task.to_dict()
         d["depths"], d["starts"] = list(self.depths), list(self.starts)
         return d
+
+
+def check_training(cfg) -> None:
+    """The settings every probe mode shares: ``steps``, ``batch_size``, ``eval_samples``, ``lr``, ``seed``."""
+    for name in ("steps", "batch_size", "eval_samples"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"probe {name} must be an integer >= 1 ({_FLAG.get(name, name)}), got {v!r}")
+    if not (isinstance(cfg.lr, (int, float)) and 0 < cfg.lr <= 1):
+        raise UsageError(f"probe lr must be a number in (0, 1] (--lr), got {cfg.lr!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
+        raise UsageError(f"probe seed must be an integer >= 0 (--seed), got {cfg.seed!r}")
+
+
+def check_fits(cfg, seq_len: int, depth: int, vocab_size: int) -> None:
+    """Refuse sizes whose training batch certainly exceeds the device: per token at least its id, one
+    ``d_model`` activation per layer and the logits with their gradient (float32)."""
+    from ..validation import check_sizes_fit
+    per_token = 8 + 4 * (cfg.model.d_model * depth + 2 * vocab_size)
+    shape = f"(d_model {cfg.model.d_model}, depth {depth})"
+    check_sizes_fit("--seq-len", [seq_len], lambda T: T * per_token, f"one training sample {shape}",
+                    cfg.device)                           # alone first, so a huge batch is blamed on --batch-size
+    check_sizes_fit("--batch-size", [cfg.batch_size], lambda b: b * seq_len * per_token,
+                    f"one training batch of --seq-len {seq_len} {shape}", cfg.device)
 
 
 PRESET_ALIASES = {"tiny": "cpu", "paper": "study"}     # the names every other command uses
@@ -174,33 +183,36 @@ def answer_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def accuracy(model, cfg: ProbeConfig) -> dict:
+def batch_accuracy(model, batch, device, chunk: int = 64) -> float:
+    """Share of ``batch``'s samples whose argmax over the whole vocabulary is the answer (``chunk`` at a time)."""
+    was_training = model.training
     model.eval()
-    out = {}
-    for j, d in enumerate(cfg.task.distances):
-        b = make_batch(cfg.task, cfg.eval_samples, [cfg.seed, 2, j], distance=d)
-        pred = answer_logits(model, torch.from_numpy(b.tokens).to(cfg.device)).argmax(-1).cpu().numpy()
-        out[d] = float(np.mean(pred == b.answers))
-    model.train()
-    return out
+    hits = 0
+    for i in range(0, len(batch.answers), chunk):
+        pred = answer_logits(model, torch.from_numpy(batch.tokens[i:i + chunk]).to(device)).argmax(-1).cpu().numpy()
+        hits += int(np.sum(pred == batch.answers[i:i + chunk]))
+    model.train(was_training)
+    return hits / len(batch.answers)
 
 
-def train_one(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
-    """Train one probe model and measure it."""
-    from ..model.lm import FibLM
+def accuracy(model, cfg: ProbeConfig) -> dict:
+    return {d: batch_accuracy(model, make_batch(cfg.task, cfg.eval_samples, [cfg.seed, 2, j], distance=d), cfg.device)
+            for j, d in enumerate(cfg.task.distances)}
+
+
+def fit(model, task: ProbeTask, cfg, on_step=None) -> list[float]:
+    """Train ``model`` on ``task`` samples, the loss on the answer token only; returns the losses.
+
+    ``cfg`` gives the optimiser settings (``steps``, ``batch_size``, ``lr``, ``warmup``, ``weight_decay``,
+    ``seed``, ``device``); the batches depend on ``cfg.seed`` and the step only, so every model trained
+    with the same settings sees the same data. ``on_step(step)`` runs after each step (1-based)."""
     from ..trainer.optim import param_groups
-    torch.manual_seed(cfg.seed * 1009 + depth)              # same initial weights for both starts
-    model = FibLM(cfg.model_config(depth, start)).to(cfg.device)
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
-    alpha_start = model.alphas()
-    history = [(0, alpha_start)]
-    every = max(1, cfg.steps // 20)
-    t0 = time.perf_counter()
     losses = []
     for step in range(cfg.steps):
         for g in opt.param_groups:
             g["lr"] = _lr(step, cfg)
-        b = make_batch(cfg.task, cfg.batch_size, [cfg.seed, 1, step])
+        b = make_batch(task, cfg.batch_size, [cfg.seed, 1, step])
         x = torch.from_numpy(b.tokens).to(cfg.device)
         y = torch.from_numpy(b.answers).to(cfg.device)
         loss = F.cross_entropy(answer_logits(model, x).float(), y)
@@ -209,11 +221,33 @@ def train_one(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-        if (step + 1) % every == 0 or step + 1 == cfg.steps:
-            history.append((step + 1, model.alphas()))
+        if on_step is not None:
+            on_step(step + 1)
+    return losses
+
+
+def tail_loss(losses: list[float]) -> float:
+    """Mean loss over the last tenth of training."""
+    return float(np.mean(losses[-max(1, len(losses) // 10):]))
+
+
+def train_one(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
+    """Train one probe model and measure it."""
+    from ..model.lm import FibLM
+    torch.manual_seed(cfg.seed * 1009 + depth)              # same initial weights for both starts
+    model = FibLM(cfg.model_config(depth, start)).to(cfg.device)
+    alpha_start = model.alphas()
+    history = [(0, alpha_start)]
+    every = max(1, cfg.steps // 20)
+
+    def record(step: int) -> None:
+        if step % every == 0 or step == cfg.steps:
+            history.append((step, model.alphas()))
+
+    t0 = time.perf_counter()
+    losses = fit(model, cfg.task, cfg, record)
     acc = accuracy(model, cfg)
-    tail = losses[-max(1, cfg.steps // 10):]
-    return ProbeResult(depth, start, acc, alpha_start, model.alphas(), history, float(np.mean(tail)),
+    return ProbeResult(depth, start, acc, alpha_start, model.alphas(), history, tail_loss(losses),
                        round(time.perf_counter() - t0, 1))
 
 
@@ -280,24 +314,40 @@ def plot_report(report: ProbeReport, path) -> Path:
     return save_panels(path, [p1, p2], suptitle="retrieval probe")
 
 
-def _train_in_worker(cfg: ProbeConfig, depth: int, start: str) -> ProbeResult:
+def _in_worker(fn, *args):
     torch.set_num_threads(1)                  # tiny models: one thread per process beats intra-op threads
-    return train_one(cfg, depth, start)
+    return fn(*args)
 
 
-def resolve_jobs(jobs: int, cfg: ProbeConfig) -> int:
-    """``jobs`` worker processes; ``0`` (auto): one per CPU core up to the number of models, 1 on CUDA."""
+def resolve_jobs(jobs: int, cfg, models: int | None = None) -> int:
+    """``jobs`` worker processes; ``0`` (auto): one per CPU core up to the number of ``models``, 1 on CUDA."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 0:
         raise UsageError(f"--jobs must be an integer >= 0 (0: auto), got {jobs!r}")
     if jobs:
         return jobs
-    n = 1 if cfg.device != "cpu" else max(1, min(os.cpu_count() or 1, len(cfg.depths) * len(cfg.starts)))
+    models = len(cfg.depths) * len(cfg.starts) if models is None else models
+    n = 1 if cfg.device != "cpu" else max(1, min(os.cpu_count() or 1, models))
     log.info("fibattn probe: --jobs auto -> %d process%s", n, "es" if n > 1 else "")
     return n
 
 
+def run_jobs(fn, todo: list[tuple], jobs: int, on_result) -> None:
+    """``fn(*args)`` for every ``args`` in ``todo``: here when ``jobs <= 1``, else in ``jobs`` spawned worker
+    processes (one torch thread each); ``on_result(result)`` in this process as each one finishes."""
+    if jobs <= 1:
+        for args in todo:
+            on_result(fn(*args))
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        for fut in as_completed([pool.submit(_in_worker, fn, *args) for args in todo]):
+            on_result(fut.result())
+
+
 def _train_all(cfg: ProbeConfig, jobs: int, echo) -> list[ProbeResult]:
-    todo = sorted(((d, s) for d in cfg.depths for s in cfg.starts), key=lambda x: -x[0])    # longest first
+    todo = sorted(((cfg, d, s) for d in cfg.depths for s in cfg.starts), key=lambda x: -x[1])    # longest first
     done: dict = {}
 
     def report(r: ProbeResult) -> None:
@@ -306,17 +356,7 @@ def _train_all(cfg: ProbeConfig, jobs: int, echo) -> list[ProbeResult]:
         echo(f"depth {r.depth} {r.start}: {accs} | loss {r.final_loss:.3f} | max alpha move {r.max_move():.4f} "
              f"| {r.seconds:.0f}s")
 
-    if jobs <= 1:
-        for depth, start in todo:
-            report(train_one(cfg, depth, start))
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_train_in_worker, cfg, d, s) for d, s in todo]
-            for fut in as_completed(futures):
-                report(fut.result())
+    run_jobs(train_one, todo, jobs, report)
     return [done[(d, s)] for d in cfg.depths for s in cfg.starts]
 
 
@@ -327,17 +367,23 @@ def run_probe(cfg: ProbeConfig, out_dir=None, *, plot: bool = True, echo=print, 
     Every model is seeded on its own, so the job count changes results only through
     floating-point summation order (thread count).
     """
-    from .. import plots
     cfg.validate()
     report = ProbeReport(cfg.to_dict())
     report.results = _train_all(cfg, resolve_jobs(jobs, cfg), echo)
     if out_dir is not None:
-        out = Path(out_dir)
-        atomic_write_text(out / "probe.json", json.dumps(report.to_dict(), indent=1) + "\n")
-        atomic_write_text(out / "probe.md", report.markdown() + "\n")
-        if plot:
-            if plots.available():
-                plot_report(report, out / "probe.png")
-            else:
-                plots.warn_unavailable("the probe plot")
+        write_outputs(report, out_dir, "probe", plot_report if plot else None, "the probe plot")
     return report
+
+
+def write_outputs(report, out_dir, stem: str, plot_fn, what: str) -> None:
+    """``<stem>.json`` and ``<stem>.md`` of ``report`` in ``out_dir``; ``<stem>.png`` by ``plot_fn(report, path)``
+    unless it is None (skipped with one logged line, naming ``what``, when matplotlib is missing)."""
+    from .. import plots
+    out = Path(out_dir)
+    atomic_write_text(out / f"{stem}.json", json.dumps(report.to_dict(), indent=1) + "\n")
+    atomic_write_text(out / f"{stem}.md", report.markdown() + "\n")
+    if plot_fn is not None:
+        if plots.available():
+            plot_fn(report, out / f"{stem}.png")
+        else:
+            plots.warn_unavailable(what)

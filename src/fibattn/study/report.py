@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import published as S
+from .controls import control_blocks, matched_cells
+from .grid import VARIANT_TITLES, control_title
+from .labels import evaluated_count, set_labels
 from ..checks import ConfigError, UsageError
 from .pages import Heading, Image, Table, Text, fmt_pct, fmt_ppl, pct_change  # noqa: F401
 from ..storage.results import eval_ppls
@@ -25,9 +28,9 @@ from ..storage.runs import EVAL_JSON, read_eval_doc
 
 log = logging.getLogger("fibattn")
 
-COLUMNS = ("fixed", "learned", "linear", "coprime", "pow2+linear")
+COLUMNS = ("fixed", "learned", "linear", "coprime", "pow2+linear", "window", "window_matched")
 COLUMN_TITLES = {"fixed": "fixed", "learned": "learned", "linear": "linear (stagger)", "coprime": "coprime (HDC)",
-                 "pow2+linear": "pow2 + linear"}
+                 "pow2+linear": "pow2 linear", "window": "window (rungs off)", "window_matched": "window (matched cost)"}
 DENSE_GOAL_PCT = 50.0          # dense perplexity must rise by at least this much at 4×
 SPARSE_TOL_PCT = 5.0           # sparse variants must stay within ± this
 
@@ -49,6 +52,7 @@ class RunResult:
     steps: int = 0                   # training steps
     mode: str = ""                   # a dense baseline mode of the same model (eval.dense_modes); "" = its own
     init_from: str = ""              # the grid run whose weights started this one (retrofit), if any
+    label: str = ""                  # the name tables show (set_labels); "" = the run name
 
     def get(self, dataset: str, length: int) -> float | None:
         return self.ppl.get((dataset, length))
@@ -58,9 +62,11 @@ class RunResult:
 
 
 def variant_of(model) -> str:
-    """``dense``, the schedule name on the fib base, or ``<base>+<schedule>`` otherwise."""
+    """``dense``, ``window`` (no rungs: alpha is inert), the schedule name on the fib base, or ``<base>+<schedule>``."""
     if model.attention == "dense":
         return "dense"
+    if model.base == "none":
+        return "window"
     return model.schedule if model.base == "fib" else f"{model.base}+{model.schedule}"
 
 
@@ -104,7 +110,8 @@ def main_table(results: list[RunResult], datasets: list[str]) -> Table:
     prim = primary(results)
     T = train_len_of(prim)
     by = {(r.variant, r.window): r for r in prim}
-    windows = sorted({r.window for r in prim if r.window is not None and r.variant in COLUMNS})
+    by.update(matched_cells(prim))           # row W's matched-cost window has a W of its own
+    windows = sorted({r.window for r in prim if r.window is not None and r.variant in COLUMNS[:5]})
     names = " / ".join(abbrev(d) for d in datasets)
     table = Table(f"Perplexity at the training length {T} ({names})", ["W"] + [COLUMN_TITLES[c] for c in COLUMNS])
     for i, w in enumerate(windows):
@@ -114,7 +121,8 @@ def main_table(results: list[RunResult], datasets: list[str]) -> Table:
                   if (c, w) in by and by[(c, w)].get(datasets[0], T) is not None]
         if len(scores) > 1:
             table.bold.add((i, min(scores)[1]))
-    extras = [r for r in prim if r.variant not in COLUMNS]
+    placed = {id(by[(c, w)]) for c in COLUMNS for w in windows if (c, w) in by}
+    extras = [r for r in prim if id(r) not in placed]
     notes = [f"{label_of(r)}: {_cell(r, datasets, T)}" for r in sorted(extras, key=lambda r: (r.variant, r.window or 0))]
     table.note = ("Bold: lowest " + abbrev(datasets[0]) + " perplexity in the row. " if table.bold else "") + \
         ("; ".join(notes) + "." if notes else "")
@@ -124,7 +132,8 @@ def main_table(results: list[RunResult], datasets: list[str]) -> Table:
 def label_of(r: RunResult) -> str:
     if r.variant == "dense":
         return "dense"
-    v = r.variant.replace("+", " + ")
+    v = (control_title(r.name) or "window only") if r.variant == "window" else \
+        VARIANT_TITLES.get(r.variant, r.variant.replace("+", " + "))
     return f"{v}, W={r.window}"
 
 
@@ -139,7 +148,7 @@ def extrapolation_table(results: list[RunResult], datasets: list[str]) -> Table:
             header.append(f"{abbrev(d)} {n} ({mult})")
     table = Table("Length extrapolation (no fine-tuning): perplexity, % change from the training length", header)
     for r in results:
-        row = [r.name]
+        row = [r.label or (f"{r.name} ({label_of(r)})" if r.variant == "window" else r.name)]
         for d in datasets:
             base = r.get(d, r.train_len)
             for n in lengths:
@@ -219,7 +228,7 @@ def headline_check(results: list[RunResult], dataset: str, factor: int = 4, *, d
             goal, ok = f">= +{dense_goal:g} %", ch is not None and ch >= dense_goal
         else:
             goal, ok = f"within ±{sparse_tol:g} %", ch is not None and abs(ch) <= sparse_tol
-        out.append(Check(r.name, a, b, ch, goal, ok, S.fmt_change_range(S.study_change(r.variant, factor=factor))))
+        out.append(Check(r.label or r.name, a, b, ch, goal, ok, S.fmt_change_range(S.study_change(r.variant, factor=factor))))
     return out
 
 
@@ -266,7 +275,9 @@ def collect(grid, root) -> list[RunResult]:
         out.append(r)
         if m.attention == "dense":
             out += _baselines(run, cfg)
+    set_labels(out)
     return out
+
 
 
 BASELINE_LABELS = {"linear": "RoPE linear", "ntk": "RoPE NTK", "yarn": "YaRN", "window": "sliding window"}
@@ -309,7 +320,7 @@ def headline_factor(results: list[RunResult]) -> int | None:
 def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], images,
                  settings: list | None = None) -> tuple[list, list, list]:
     done = [r for r in results if r.ppl]
-    blocks: list = [Text(f"Grid `{grid_name}`: {len(done)} of {len(results)} runs evaluated. Perplexity is token-level "
+    blocks: list = [Text(f"Grid `{grid_name}`: {evaluated_count(results)}. Perplexity is token-level "
                          f"(exp of the mean loss over every position of back-to-back windows; the same tokens at "
                          f"every length). Datasets: {', '.join(d if abbrev(d) == d else f'{abbrev(d)} = {d}' for d in datasets)}.")]
     own = [r for r in done if not r.mode]           # the dense baselines go to the extrapolation table only
@@ -322,6 +333,8 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
     seeds = seed_table(done, datasets) if done else None
     if seeds is not None:
         tables.append(seeds)
+    versus, controls = control_blocks(primary(own), datasets)
+    tables += controls
     checks, factor = [], headline_factor(done)
     if factor and datasets:
         checks = headline_check(primary(own), datasets[0], factor)
@@ -332,6 +345,7 @@ def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], 
         tables.append(retrofit_table(retro, datasets[0], factor))
     if settings:
         blocks += [Heading("Settings")] + settings
+    blocks += versus
     blocks += [Heading("Tables")] + tables
     lines = [f"{r.name}: {r.alpha_line}" for r in results if r.alpha_line]
     if lines:

@@ -19,8 +19,13 @@ SPARSE_ONLY = {f"model.{k}" for k in ("base", "base_k", "base_values", "window",
                                        "a_max", "alphas", "learned_init", "reach")}   # no meaning for dense attention
 
 
+RUNG_ONLY = SPARSE_ONLY - {"model.base", "model.window"}     # no meaning without rungs (model.base=none)
+
+
 def _cell(flat: dict, key: str) -> str:
-    return "—" if flat.get("model.attention") == "dense" and key in SPARSE_ONLY else _show(flat.get(key, ""))
+    if flat.get("model.attention") == "dense" and key in SPARSE_ONLY:
+        return "—"
+    return "—" if flat.get("model.base") == "none" and key in RUNG_ONLY else _show(flat.get(key, ""))
 
 
 def _show(value) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as tdist
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import ConfigError, RunConfig
 from ..parallel import ContextGroup, sharded
@@ -21,11 +21,13 @@ from . import distributed as D
 
 @dataclass(frozen=True)
 class Mesh:
-    """This process's place: data-parallel rank and size, and its context group (None when ``P = 1``)."""
+    """This process's place: data-parallel rank and size, its context group (None when ``P = 1``),
+    and the ``(dp, cp)`` :class:`~torch.distributed.device_mesh.DeviceMesh` (None when ``P = 1``)."""
 
     dp_rank: int
     dp_size: int
     context: ContextGroup | None = None
+    device_mesh: object = None
 
 
 def build_mesh(cfg: RunConfig, dist: D.DistInfo) -> Mesh:
@@ -35,9 +37,11 @@ def build_mesh(cfg: RunConfig, dist: D.DistInfo) -> Mesh:
                           f"context group is {P} ranks")
     if P == 1:
         return Mesh(dist.rank, W)
-    groups = [tdist.new_group(list(range(g * P, (g + 1) * P))) for g in range(W // P)]    # every rank makes every group
-    g = dist.rank // P
-    return Mesh(g, W // P, ContextGroup(groups[g], tuple(range(g * P, (g + 1) * P)), dist.rank % P))
+    # torch's 2-D mesh, row-major: a context group is P consecutive ranks (torchrun puts them on one node)
+    mesh = init_device_mesh(dist.device.type, (W // P, P), mesh_dim_names=("dp", "cp"))
+    cp = mesh["cp"]
+    ranks = tuple(int(r) for r in cp.mesh.flatten().tolist())
+    return Mesh(mesh.get_local_rank("dp"), W // P, ContextGroup(cp.get_group(), ranks, cp.get_local_rank()), mesh)
 
 
 class BatchForward:

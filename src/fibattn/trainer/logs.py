@@ -3,6 +3,9 @@
 The progress line (stdout, rank 0, every ``log_every`` steps) is greppable::
 
     step 25/600 | loss 2.4817 | lr 3.00e-03 | grad_norm 0.412 | tok/s 10234 | eta 2m31s
+    step 25/600 | loss 2.4817 | lr 3.00e-03 | grad_norm 0.412 | tok/s 10234 | mfu 41.2% | eta 2m31s
+
+(``mfu`` where the device's peak is known: :mod:`.throughput`.)
 
 A one-line bar redrawn in place is added only when stdout is a terminal.
 
@@ -40,9 +43,10 @@ def fmt_duration(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, loss: float, lr: float, grad_norm: float, tok_s: float,
-                  eta_s: float) -> str:
+                  eta_s: float, mfu: float | None = None) -> str:
+    util = f"mfu {mfu:.1%} | " if mfu is not None else ""
     return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} | "
-            f"tok/s {tok_s:.0f} | eta {fmt_duration(eta_s)}")
+            f"tok/s {tok_s:.0f} | {util}eta {fmt_duration(eta_s)}")
 
 
 class ProgressBar:

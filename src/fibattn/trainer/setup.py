@@ -17,6 +17,7 @@ import torch
 from .. import config as C
 from .. import validation as V
 from ..config import ConfigError, RunConfig
+from ..files import make_parents
 from . import distributed as D
 from .logs import is_metrics_log
 
@@ -47,7 +48,7 @@ def prepare_out_dir(path) -> Path:
     if p.exists() and not p.is_dir():
         raise ConfigError(f"train.out_dir {p} exists and is not a folder")
     try:
-        p.mkdir(parents=True, exist_ok=True)
+        make_parents(p).mkdir(exist_ok=True)        # a new runs/ gets a .gitignore of "*"
         with tempfile.NamedTemporaryFile(dir=p, prefix=".write-test-"):
             pass
     except OSError as exc:

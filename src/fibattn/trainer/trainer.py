@@ -47,6 +47,7 @@ from .init_weights import open_init
 from .batches import BatchForward, build_mesh, validation_losses
 from .logs import MetricSinks, ProgressBar, progress_line
 from .optim import build_optimizer, lr_at, param_names, set_lr
+from .throughput import announce, eval_line, mfu
 from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, document_kwargs, load_data, lock_run,
                     prepare_out_dir, run_lock_path, seed_all, set_threads, tokenizer_file, warn_disk_space)
 
@@ -222,6 +223,7 @@ class Trainer:
                 if self.lock is None:           # a new folder: locked once it exists, before anything is written
                     self.lock = lock_run(self.out)
         self.wrap()
+        self.peak, self.flops = announce(self.cfg, self.model, dist)      # size, budget, lr plan, flops
         sinks = None
         if dist.is_main:
             C.save(self.cfg, self.out / "config.json")
@@ -253,8 +255,7 @@ class Trainer:
                 values[f"val/{name}/loss"] = v
                 values[f"val/{name}/ppl"] = math.exp(min(v, 50.0))
             sinks.log(self.step, values)
-            bar.println(f"eval step {self.step} | " + " | ".join(f"{n} loss {v:.4f} ppl {math.exp(min(v, 50)):.2f}"
-                                                                for n, v in val.items()))
+            bar.println(eval_line(self.step, val, self.data, self.cfg))
 
     def _loop(self, sinks, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
@@ -297,10 +298,11 @@ class Trainer:
             if self.step % t.log_every == 0 or self.step == total:
                 mean = win["loss"] / win["n"] if win["n"] else float("nan")
                 tok_s = win["steps"] * tokens_per_step / max(win["time"], 1e-9)
-                bar.println(progress_line(self.step, total, mean, lr, gnorm, tok_s, eta))
+                util = mfu(tok_s, self.flops, self.peak, dist.world_size)
+                bar.println(progress_line(self.step, total, mean, lr, gnorm, tok_s, eta, util))
                 if sinks is not None:
                     sinks.log(self.step, {"loss": mean, "lr": lr, "grad_norm": gnorm, "tok_s": tok_s,
-                                          "tokens": float(self.tokens)},
+                                          "tokens": float(self.tokens), **({"mfu": util} if util else {})},
                               alphas=self.model.alphas() if learned else None)
                 win.update(S.new_window())
             if t.eval_every and self.step % t.eval_every == 0 and self.step != total:

@@ -1,0 +1,41 @@
+"""``bench attention``'s achieved GFLOP/s, matmul peak and the tiled-vs-rows cpu kernel paths (issue 29)."""
+import pytest
+import torch
+
+from fibattn.bench import attention as ba
+from fibattn.bench import attention_flops as bf
+from fibattn.ops import cpu_backend
+
+pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
+
+
+def test_flops_count_rows_per_attended_column():
+    cfg = ba.BenchConfig(heads=2, head_dim=16, window=2, fib_k=4, alpha=1.0)
+    # integer at T=10: distances 0, 1, 2 (window), 3 and 5 (fib:4 = 1, 2, 3, 5 at alpha 1): 10 + 9 + 8 + 7 + 5 rows
+    assert bf.columns_rows(cfg, "integer", 10) == 39
+    assert bf.gflop_rate(cfg, "integer", 10, 1.0) == pytest.approx(12 * 16 * 2 * 39 / 1e-3 / 1e9)
+    assert bf.gflop_rate(cfg, "integer", 10, 1.0, backward=False) == pytest.approx(4 * 16 * 2 * 39 / 1e-3 / 1e9)
+    assert bf.gflop_rate(cfg, "dense", 10, 1.0) is None and bf.gflop_rate(cfg, "integer", 10, None) is None
+    assert bf.columns_rows(cfg, "interpolated-rows", 10) == bf.columns_rows(cfg, "interpolated", 10)
+
+
+def test_rows_paths_run_the_generic_kernel_and_lines_compare_them(monkeypatch, one_thread):
+    seen = []
+    real = cpu_backend._fast
+
+    def spy():
+        seen.append(cpu_backend.kernel)
+        return real()
+
+    monkeypatch.setattr(cpu_backend, "_fast", spy)
+    cfg = ba.BenchConfig(lengths=[64], repeats=1, heads=2, kv_heads=1, head_dim=16, memory=False,
+                         paths=["integer", "integer-rows"])
+    recs = ba.bench_length(cfg, 64)
+    assert [r.backend for r in recs] == ["cpu", "cpu-rows"] and all(r.gflop_s > 0 for r in recs)
+    assert set(seen) == {"tiled", "rows"} and cpu_backend.kernel == "tiled"
+    lines = bf.flop_lines(recs, 100.0)
+    assert lines[0].startswith("T=64 fwd+bwd: integer ") and "% of peak)" in lines[0]
+    assert lines[1].startswith("T=64 fwd+bwd: integer, generic rows kernel / tiled kernel = ")
+    assert bf.matmul_peak(n=64, rounds=1) > 0
+    assert "fp32 matmul peak: 12.5 GFLOP/s" in bf.peak_line(12.5)
+    assert torch.get_num_threads() == 1

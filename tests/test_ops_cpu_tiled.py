@@ -1,0 +1,103 @@
+"""The cpu kernel set's register-blocked rows (issue 29) against the reference: production head
+sizes, ragged lengths, grouped heads and packed documents, outputs and gradients of q, k, v and
+alpha; the alpha gradient bit-identical for any thread count; the generic rows kept selectable."""
+import pytest
+import torch
+
+import fibattn
+from fibattn.checks import UsageError
+from fibattn.ops import cpu_backend
+from fibattn.ops.columns import ColumnSpec, host_columns
+from fibattn.schedules import attended_distances
+
+from op_helpers import close, make, run
+
+pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
+
+TOL = dict(rtol=1e-4, atol=1e-5)        # fp32 against the fp64 reference
+
+
+def _docs(B: int, T: int, lengths) -> torch.Tensor:
+    """document_ids cutting each row into documents of the given lengths (the last one takes the rest)."""
+    ids, doc, left = [], 0, list(lengths)
+    while len(ids) < T:
+        n = left.pop(0) if left else T
+        ids += [doc] * min(n, T - len(ids))
+        doc += 1
+    return torch.tensor([ids] * B)
+
+
+def _both(q, k, v, dout, W, alpha, docs):
+    """(integer, interpolated) results of the cpu kernels and of the fp64 reference."""
+    T = q.shape[2]
+    exact = [x.double() for x in (q, k, v, dout)]
+    dists = attended_distances(W, 1.5, "fib", T)
+
+    def integer(backend):
+        return lambda q, k, v: fibattn.sparse_attention(q, k, v, dists, backend=backend, document_ids=docs)
+
+    def frac(backend):
+        return lambda q, k, v, a: fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib", window=W,
+                                                                        backend=backend, document_ids=docs)
+    a = torch.tensor(alpha)
+    got = [run(integer("cpu"), q, k, v, dout), run(frac("cpu"), q, k, v, dout, a)]
+    want = [run(integer("reference"), *exact), run(frac("reference"), *exact, a.double())]
+    return got, want
+
+
+@pytest.mark.parametrize("T,Dh,H,Hkv,W,docs", [
+    (1, 64, 2, 1, 12, None),                 # one row
+    (77, 64, 4, 2, 0, None),                 # W = 0, grouped, a ragged last tile
+    (200, 32, 2, 2, 12, (5, 1, 70, 64)),     # packed documents across tiles, a document of one row
+    (131, 128, 2, 1, 6, (40, 3)),            # Dh 128 (two register blocks), documents, grouped
+])
+def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs):
+    q, k, v, dout = make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh)
+    ids = None if docs is None else _docs(1, T, docs)
+    (gi, gf), (wi, wf) = _both(q, k, v, dout, W, 1.37, ids)
+    close([g.double() for g in gi], wi, **TOL)
+    close([g.double() for g in gf[:4]], wf[:4], **TOL)
+    torch.testing.assert_close(gf[4].double(), wf[4], rtol=1e-4, atol=1e-4 * max(wf[4].abs().item(), 1.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("Dh", [32, 64, 128])
+def test_tiled_rows_match_reference_long_packed(Dh):
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=1500, Dh=Dh, seed=Dh)
+    (gi, gf), (wi, wf) = _both(q, k, v, dout, 12, 1.41, _docs(1, 1500, (700, 1, 300, 2)))
+    close([g.double() for g in gi], wi, **TOL)
+    close([g.double() for g in gf[:4]], wf[:4], **TOL)
+    torch.testing.assert_close(gf[4].double(), wf[4], rtol=1e-4, atol=1e-4 * max(wf[4].abs().item(), 1.0))
+
+
+def _kernels(q, k, v, dout, cols, kind, threads):
+    before, cpu_backend.kernel = cpu_backend.kernel, kind
+    nt = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3)
+        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True))
+    finally:
+        torch.set_num_threads(nt)
+        cpu_backend.kernel = before
+
+
+@pytest.mark.parametrize("kind", ["tiled", "rows"])
+def test_alpha_gradient_is_bit_identical_for_any_thread_count(kind):
+    """Per-(head, block) partial sums added in a fixed order (not OpenMP's reduction order)."""
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=32, seed=11)
+    cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
+    one = _kernels(q, k, v, dout, cols, kind, 1)
+    for threads in (2, 3):
+        many = _kernels(q, k, v, dout, cols, kind, threads)
+        for a, b in zip(one, many):
+            assert torch.equal(a, b)
+
+
+def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypatch):
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=2)
+    cols = host_columns(ColumnSpec(None, 12, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89), None), 1.5, 150)
+    close(_kernels(q, k, v, dout, cols, "tiled", 2), _kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(cpu_backend, "kernel", "fast")
+    with pytest.raises(UsageError, match="FIBATTN_CPU_KERNEL must be one of tiled, rows, got 'fast'"):
+        cpu_backend.attn_forward(q, k, v, cols, 0.3)
