@@ -98,6 +98,7 @@ def test_interpolated_fp32_cpu_alpha_with_device_tensors(device):
     close([g.double() for g in got], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow          # the default suite keeps the integer op's bf16 check and the interpolated fp32 ones
 def test_interpolated_bf16_within_reference_error(device):
     q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=4, device=device)
     bf16_check(interp(6, "fib:10", "triton"), interp(6, "fib:10", "reference"), q, k, v, dout,
@@ -119,14 +120,20 @@ def test_alpha_gradient_matches_finite_differences(device):
     alpha_grad_matches_fd(interp(6, "fib:10", "triton"), q, k, v, dout)
 
 
-def test_tile_boundaries(device):
+TILE_DISTS = ([0, 1, 2, 15, 16, 17, 32, 48, 82, 83], [0, 16, 31, 64], list(range(20)) + [47])
+TILE_ALPHAS = (16.0, 15.5, 8.25)            # lo = 16, 32, 48, 80 exactly; halves; quarters
+
+
+@pytest.mark.parametrize("case", [0, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+def test_tile_boundaries(device, case):
     """16-row tiles (the default): rungs that fall exactly on a tile's first row (lo = 16, 32, 48),
     one row short of it and one past it, a band that spans two key tiles, T not a multiple of
-    the tile, a rung whose key pass needs the next tile's first query row, and W = 0."""
+    the tile, a rung whose key pass needs the next tile's first query row, and W = 0. The first
+    case holds every kind; the others (-m slow) vary them."""
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=83, Dh=8, dtype=torch.float64, seed=11, device=device)
-    for dists in ([0, 1, 2, 15, 16, 17, 32, 48, 82, 83], [0, 16, 31, 64], list(range(20)) + [47]):
-        close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
-    for alpha in (16.0, 15.5, 8.25):        # lo = 16, 32, 48, 80 exactly; halves; quarters
+    dists = TILE_DISTS[case]
+    close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+    for alpha in TILE_ALPHAS[case:case + 1]:
         a = torch.tensor(alpha, dtype=torch.float64, device=device)
         close(run(interp(0, [1, 2, 3, 5], "triton"), q, k, v, dout, a),
               run(interp(0, [1, 2, 3, 5], "reference"), q, k, v, dout, a), **FP64)
