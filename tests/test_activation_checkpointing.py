@@ -117,6 +117,7 @@ def test_trainer_steps_are_identical_with_full(tmp_path, tiny_data, monkeypatch)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow          # the default suite keeps the eager checks and tests/test_compile.py's fullgraph ones
 def test_compiled_fullgraph_with_full_matches_eager():
     """Under ``torch.compile(fullgraph=True)`` (inductor; learned alpha, the interpolated op) each checkpointed
     block traces as dynamo's checkpoint operator, and losses and gradients match eager ``none`` to compiler

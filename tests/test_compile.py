@@ -51,7 +51,7 @@ def _loss_and_grads(fn, model, idx, tgt):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("schedule", ["linear", "learned"])
+@pytest.mark.parametrize("schedule", ["linear", pytest.param("learned", marks=pytest.mark.slow)])
 def test_fullgraph_compiled_fiblm_matches_eager(schedule):
     """Inductor on CPU, ``fullgraph=True``: no graph break anywhere, a learned alpha included."""
     torch._dynamo.reset()

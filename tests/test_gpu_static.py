@@ -112,6 +112,7 @@ def _nvidia_tools() -> bool:
     return (base / "compiler.py").exists() and (base / "bin" / "cuobjdump").exists()
 
 
+@pytest.mark.slow          # tests/test_gpu_check.py's quick check runs the same static step in the default suite
 def test_todays_kernels(tmp_path):
     if not _nvidia_tools():
         pytest.skip("triton without its NVIDIA backend")

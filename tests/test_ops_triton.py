@@ -62,7 +62,7 @@ def test_integer_fp64_noncontiguous_exact(device):
           run(sparse(dists, "reference", scale=0.3), q, k, v, dout), **FP64)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_integer_half_within_reference_error(device, dtype):
     q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=3, device=device)
     bf16_check(sparse(attended_distances(6, 1.5, "fib:10", 97), "triton"),
@@ -105,7 +105,7 @@ def test_interpolated_bf16_within_reference_error(device):
                torch.tensor(1.3, device=device))
 
 
-@pytest.mark.parametrize("alpha,base", [(1.0, "fib:10"), (2.0, "pow2")])
+@pytest.mark.parametrize("alpha,base", [pytest.param(1.0, "fib:10", marks=pytest.mark.slow), (2.0, "pow2")])
 def test_interpolated_equals_integer_for_integer_targets(device, alpha, base):
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=120, Dh=16, dtype=torch.float64, seed=6, device=device)
     a = torch.tensor(alpha, dtype=torch.float64, device=device)

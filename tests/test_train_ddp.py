@@ -85,7 +85,7 @@ def test_two_processes_with_activation_checkpointing_match_one_without(setup, tm
     check_matches(root, out, single)
 
 
-@pytest.mark.parametrize("name", ["tiny", "paper"])
+@pytest.mark.parametrize("name", ["tiny", pytest.param("paper", marks=pytest.mark.slow)])
 def test_presets_batch_settings_run_under_two_processes(name, tiny_data, tmp_path):
     """Each preset's batch (global tokens, micro-batch, sequence length) as written, under torchrun with
     2 processes: the micro-batch adapts and the split is logged; only the model is shrunk."""
