@@ -16,8 +16,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture
 def one_thread():
-    """One thread: tiny workloads run fastest (and steadiest on a shared CPU), and the cpu
-    kernels' dalpha reduction is bit-deterministic."""
+    """One thread: tiny workloads run fastest (and steadiest on a shared CPU)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,4 +1,5 @@
-"""``bench attention``'s achieved GFLOP/s, matmul peak and the tiled-vs-rows cpu kernel paths (issue 29)."""
+"""``bench attention``'s achieved GFLOP/s, matmul peak, the tiled-vs-rows cpu kernel paths and the
+kernels timed alone (issue 29)."""
 import pytest
 import torch
 
@@ -39,3 +40,22 @@ def test_rows_paths_run_the_generic_kernel_and_lines_compare_them(monkeypatch, o
     assert bf.matmul_peak(n=64, rounds=1) > 0
     assert "fp32 matmul peak: 12.5 GFLOP/s" in bf.peak_line(12.5)
     assert torch.get_num_threads() == 1
+
+
+def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread):
+    cfg = ba.BenchConfig(lengths=[40], repeats=2, heads=2, kv_heads=1, head_dim=16, window=3, fib_k=5,
+                         memory=False, paths=["integer", "interpolated", "integer-rows"])
+    lines = bf.kernel_lines(cfg, 50.0)
+    assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone")
+    assert "integer " in lines[0] and "; interpolated " in lines[0] and "% of peak)" in lines[0]
+    calls = []
+    for name in ("attn_forward", "attn_backward"):
+        real = getattr(cpu_backend, name)
+        monkeypatch.setattr(cpu_backend, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.append((_name, kw.get("into") is not None)), _real(*a, **kw))[1])
+    op_ms, ms = bf.kernel_ms(cfg, "integer", 40, 2)
+    assert op_ms > 0 and ms > 0
+    # three rounds (one warm-up); the kernels alone always write into the tensors made beforehand
+    # (the public op reaches the kernels through the op interface, not these module attributes)
+    assert calls == [("attn_forward", True), ("attn_backward", True)] * 3
+    assert bf.kernel_lines(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []

@@ -1,6 +1,7 @@
-"""The cpu kernel set's register-blocked rows (issue 29) against the reference: production head
-sizes, ragged lengths, grouped heads and packed documents, outputs and gradients of q, k, v and
-alpha; the alpha gradient bit-identical for any thread count; the generic rows kept selectable."""
+"""The cpu kernel set's vector rows (issue 29) against the reference: production head sizes, ragged
+lengths, grouped heads and packed documents, outputs and gradients of q, k, v and alpha; the alpha
+gradient bit-identical for any thread count; more columns than the lanes hold (the generic rows
+then); the backward's scratch kept between calls of any size; the generic rows kept selectable."""
 import pytest
 import torch
 
@@ -101,3 +102,30 @@ def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypa
     monkeypatch.setattr(cpu_backend, "kernel", "fast")
     with pytest.raises(UsageError, match="FIBATTN_CPU_KERNEL must be one of tiled, rows, got 'fast'"):
         cpu_backend.attn_forward(q, k, v, cols, 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_more_columns_than_lanes_run_the_generic_rows(dtype):
+    """A row's columns must fit 16 vectors of lanes (two-tap columns count twice); past that the
+    generic rows run, with the same results."""
+    q, k, v, dout = (x.to(dtype) for x in make(B=1, H=2, Hkv=1, T=300, Dh=32, seed=5))
+    wide = host_columns(ColumnSpec(tuple(range(0, 260))), None, 300)       # 260 columns > 16 * 8 lanes
+    rungs = host_columns(ColumnSpec(None, 40, tuple(range(1, 120)), None), 1.7, 300)   # two taps each
+    for cols in (wide, rungs):
+        close(_kernels(q, k, v, dout, cols, "tiled", 2), _kernels(q, k, v, dout, cols, "rows", 2),
+              rtol=1e-6, atol=1e-6)
+
+
+def test_backward_scratch_is_reused_across_sizes():
+    """dS lives in a buffer the thread keeps (the largest asked for); calls of other sizes after a
+    larger one still match the reference."""
+    cpu_backend._scratch.bufs = {}
+    cols = host_columns(ColumnSpec((0, 1, 2, 3, 5, 8)), None, 64)
+    for T in (64, 17, 40):
+        q, k, v, dout = make(B=1, H=2, Hkv=2, T=T, Dh=16, seed=T)
+        c = host_columns(ColumnSpec((0, 1, 2, 3, 5, 8)), None, T) if T != 64 else cols
+        got = _kernels(q, k, v, dout, c, "tiled", 1)
+        want = _kernels(q.double(), k.double(), v.double(), dout.double(), c, "rows", 1)
+        close([g.double() for g in got[:4]], want[:4], **TOL)
+    bufs = cpu_backend._scratch.bufs
+    assert bufs[torch.float32].numel() == 2 * 64 * 6     # (B, H, T, C) of the largest call

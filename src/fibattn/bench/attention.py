@@ -56,7 +56,7 @@ import torch
 
 from ..ops import backend_available
 from ..validation import ConfigError, check_sizes_fit
-from .attention_flops import flop_lines, gflop_rate, matmul_peak, peak_line
+from .attention_flops import flop_lines, gflop_rate, kernel_lines, matmul_peak, peak_line
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, ROWS_PATHS, BenchConfig,
                               _inputs, backend_name, check_documents, document_lines, make_step, mask_bytes,
                               pick_sdpa, sdpa_label, traffic_bytes)
@@ -363,7 +363,7 @@ def run(args) -> int:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
         print(table(records, copy_rate), file=out, flush=True)
-        for line in document_lines(records, cfg.documents) + flop_lines(records, peak):
+        for line in document_lines(records, cfg.documents) + flop_lines(records, peak) + kernel_lines(cfg, peak):
             print(line, file=out, flush=True)
     why = backend_available("cpu", torch.device("cpu"))
     if why is not None:

@@ -1,5 +1,6 @@
 """Achieved GFLOP/s of the fused ops in ``fibattn bench attention`` against the machine's fp32
-matmul rate (issue 29), and the old-vs-new CPU kernel comparison.
+matmul rate (issue 29), the old-vs-new CPU kernel comparison, and the CPU kernels alone (outputs
+written into tensors allocated once: what the op costs without the page faults of fresh tensors).
 
 Work counted: 12 * Dh flops per query, head and attended column for forward+backward (4 * Dh
 forward: q.k and p.v; backward adds dout.v, dq, dk and dv), a column attended by the rows that
@@ -13,7 +14,9 @@ import time
 
 import torch
 
-from ..schedules import attended_distances, interpolation_plan
+from ..ops import cpu_backend
+from ..ops.columns import ColumnSpec, host_columns
+from ..schedules import as_base, attended_distances, interpolation_plan
 
 FLOP_PATHS = ("integer", "interpolated", "integer-docs", "interpolated-docs", "integer-rows", "interpolated-rows")
 
@@ -68,4 +71,52 @@ def flop_lines(records, peak: float | None) -> list[str]:
             if op in by and f"{op}-rows" in by:
                 lines.append(f"T={T} {mode}: {op}, generic rows kernel / tiled kernel = "
                              f"{by[f'{op}-rows'].ms / by[op].ms:.2f}x ({by[f'{op}-rows'].ms:.1f} vs {by[op].ms:.1f} ms)")
+    return lines
+
+
+def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
+    """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
+    (``integer`` or ``interpolated``, the bench's shapes, autograd) and of its cpu kernels alone
+    (every output and the scratch allocated once beforehand): ``(op_ms, kernels_ms)``."""
+    from .attention_paths import make_step
+
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(cfg.batch, cfg.heads, T, cfg.head_dim, generator=g) for _ in range(2))
+    k, v = (torch.randn(cfg.batch, cfg.kv_heads, T, cfg.head_dim, generator=g) for _ in range(2))
+    interp = path == "interpolated"
+    spec = (ColumnSpec(None, cfg.window, tuple(as_base(f"fib:{cfg.fib_k}").resolve(T)), None) if interp
+            else ColumnSpec(tuple(attended_distances(cfg.window, cfg.alpha, f"fib:{cfg.fib_k}", T))))
+    cols, scale = host_columns(spec, cfg.alpha if interp else None, T), cfg.head_dim ** -0.5
+    fwd = (torch.empty_like(q), q.new_empty(*q.shape[:3], len(cols.lo)))
+    bwd = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+
+    def kernels():
+        out, P = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
+        cpu_backend.attn_backward(q, k, v, out, P, dout, cols, scale, need_dfrac=interp, into=bwd)
+
+    steps, best = (make_step(cfg, path, T), kernels), [float("inf")] * 2
+    for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)
+        for j, step in enumerate(steps):
+            t0 = time.perf_counter()
+            step()
+            if r:
+                best[j] = min(best[j], time.perf_counter() - t0)
+    return best[0] * 1e3, best[1] * 1e3
+
+
+def kernel_lines(cfg, peak: float | None) -> list[str]:
+    """Per forward+backward length on CPU: each fused op's public call against its kernels alone."""
+    ops = [p for p in ("integer", "interpolated") if p in cfg.paths]
+    if cfg.on_cuda or not ops or cpu_backend.unavailable("cpu") is not None:
+        return []
+    lines = []
+    for T in cfg.lengths:
+        parts = []
+        for op in ops:
+            op_ms, ms = kernel_ms(cfg, op, T, cfg.repeats)
+            rate = gflop_rate(cfg, op, T, ms)
+            parts.append(f"{op} {op_ms:.1f} ms, kernels alone {ms:.1f} ms = {rate:.1f} GFLOP/s"
+                         + (f" ({rate / peak:.0%} of peak)" if peak else ""))
+        lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone (outputs allocated once; fastest of "
+                     f"{cfg.repeats}, interleaved): " + "; ".join(parts))
     return lines

@@ -9,7 +9,8 @@ The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (defa
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
 and the CPU's feature flags; it is compiled to a temporary file and renamed, so
 concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
-Head sizes of 2-16 SIMD vectors (fp32 Dh 16-128 with AVX2) run register-blocked rows; others, or
+Head sizes of 2, 4, 8 or 16 SIMD vectors (fp32 Dh 16-128 with AVX2) run vector rows (a row's
+columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns than 16 vectors of lanes, or
 ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
 The library needs ``libgomp.so.1``; loaded after torch it binds to the copy torch already
 loaded, so the kernels and torch share one OpenMP runtime.
@@ -42,7 +43,7 @@ _ABI = 11
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# "tiled": register-blocked rows for head sizes of 2-16 SIMD vectors; "rows": the generic rows
+# "tiled": vector rows for head sizes of 2, 4, 8 or 16 SIMD vectors; "rows": the generic rows
 # only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
 KERNELS = ("tiled", "rows")
 kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"
@@ -56,6 +57,20 @@ class _Build:
 
 _state: _Build | None = None
 _lock = threading.Lock()
+_scratch = threading.local()
+
+
+def _scratch_like(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor shaped like ``x`` from a buffer this thread keeps between calls (the
+    largest asked for, per dtype): the backward's dS. Fresh pages for it cost more than the kernel's
+    own work on some machines (a page fault per 4 KiB of every new tensor)."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(x.dtype)
+    if buf is None or buf.numel() < x.numel():
+        buf = bufs[x.dtype] = torch.empty(x.numel(), dtype=x.dtype)
+    return buf[:x.numel()].view(x.shape)
 
 
 def cache_dir() -> Path:
@@ -223,15 +238,16 @@ def _pointer(x: torch.Tensor | None):
     return None if x is None else _ptr(x.data_ptr())
 
 
-def attn_forward(q, k, v, cols, scale: float, off=None):
+def attn_forward(q, k, v, cols, scale: float, off=None, into=None):
     """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``); ``P`` is ``(B, H, T, C)``.
-    ``off`` (B, T) int32: each row's position inside its document (None: one document per row)."""
+    ``off`` (B, T) int32: each row's position inside its document (None: one document per row).
+    ``into``: ``(out, P)`` to write instead of new tensors (contiguous, the right shapes; the
+    kernels alone, for ``bench attention``)."""
     q, k, v = _prep(q, k, v)
     off = _positions(off, q)
     fn = _kernel("fa_attn_fwd", q.dtype)
     C = len(cols.lo)
-    out = torch.empty_like(q)
-    P = q.new_empty(*q.shape[:3], C)
+    out, P = into or (torch.empty_like(q), q.new_empty(*q.shape[:3], C))
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
@@ -241,15 +257,15 @@ def attn_forward(q, k, v, cols, scale: float, off=None):
     return out, P
 
 
-def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, off=None):
+def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, off=None, into=None):
     """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``;
-    ``off`` as in :func:`attn_forward`."""
+    ``off`` as in :func:`attn_forward`; ``into``: ``(dq, dk, dv)`` to write, as there."""
     q, k, v, out, P, dout = _prep(q, k, v, out, P, dout)
     off = _positions(off, q)
     fn = _kernel("fa_attn_bwd", q.dtype)
     C = len(cols.lo)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dS = torch.empty_like(P)
+    dq, dk, dv = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    dS = _scratch_like(P)
     dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
     if P.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout, P, dS, dq, dk, dv)),
