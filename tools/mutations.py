@@ -74,10 +74,14 @@ MUTATIONS = [
              "    scale = 1.0 / math.sqrt(Dh)\n", "    scale = 1.0 / Dh\n", ("tests/test_generate.py",)),
     # ---------------------------------------------------------------- grouped heads
     Mutation("c-dkdv-one-head", "GQA reduction", C,
-             "for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);\n"
-             "                for (i64 gh = 0; gh < g; gh++) {",
-             "for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);\n"
-             "                for (i64 gh = 0; gh < 1; gh++) {", ("tests/test_ops.py", "-k", "cpu")),
+             "                for (i64 gh = 0; gh < g; gh++) {\n"
+             "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
+             "                    const i64 o = h * T * D, oc = h * T * C;\n"
+             "                    FA_WITH_NV(nvx, if (NV) {\n",
+             "                for (i64 gh = 0; gh < 1; gh++) {\n"
+             "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
+             "                    const i64 o = h * T * D, oc = h * T * C;\n"
+             "                    FA_WITH_NV(nvx, if (NV) {\n", ("tests/test_ops.py", "-k", "cpu")),
     Mutation("triton-dkdv-one-head", "GQA reduction", TK,
              "    gm_ok = (rq // BLOCK_M) < GROUP\n", "    gm_ok = (rq // BLOCK_M) < 1\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),

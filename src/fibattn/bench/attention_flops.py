@@ -78,14 +78,13 @@ def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
     (``integer`` or ``interpolated``, the bench's shapes, autograd) and of its cpu kernels alone
     (every output and the scratch allocated once beforehand): ``(op_ms, kernels_ms)``."""
-    from .attention_paths import make_step
+    from .attention_paths import _distances, _inputs, make_step
 
-    g = torch.Generator().manual_seed(0)
-    q, dout = (torch.randn(cfg.batch, cfg.heads, T, cfg.head_dim, generator=g) for _ in range(2))
-    k, v = (torch.randn(cfg.batch, cfg.kv_heads, T, cfg.head_dim, generator=g) for _ in range(2))
+    leaves, dout = _inputs(cfg, T)
+    q, k, v = (x.detach() for x in leaves)
     interp = path == "interpolated"
     spec = (ColumnSpec(None, cfg.window, tuple(as_base(f"fib:{cfg.fib_k}").resolve(T)), None) if interp
-            else ColumnSpec(tuple(attended_distances(cfg.window, cfg.alpha, f"fib:{cfg.fib_k}", T))))
+            else ColumnSpec(tuple(_distances(cfg, T))))
     cols, scale = host_columns(spec, cfg.alpha if interp else None, T), cfg.head_dim ** -0.5
     fwd = (torch.empty_like(q), q.new_empty(*q.shape[:3], len(cols.lo)))
     bwd = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -94,7 +93,7 @@ def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
         out, P = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
         cpu_backend.attn_backward(q, k, v, out, P, dout, cols, scale, need_dfrac=interp, into=bwd)
 
-    steps, best = (make_step(cfg, path, T), kernels), [float("inf")] * 2
+    steps, best = (make_step(cfg, path, T, (leaves, dout)), kernels), [float("inf")] * 2
     for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)
         for j, step in enumerate(steps):
             t0 = time.perf_counter()

@@ -568,8 +568,7 @@ typedef struct {
     int hig[FA_MAXG];            /* hi group of column group g, or -1 */
     i64 C1, maxoff, n1;          /* columns that can be valid (lo < T), largest offset, their taps */
     i64 nl;                      /* dot lanes (all groups) */
-    i64 off[FA_MAXG * FA_VL];    /* each dot lane's row offset */
-    i64 offr[FA_MAXG * FA_VL];   /* off, lanes in dotv's order */
+    i64 offr[FA_MAXG * FA_VL];   /* each dot lane's row offset, lanes in dotv's order */
     i64 noff[FA_MAXG * FA_VL];   /* -offr * D: the element offsets of an unclamped row */
     i64 lane[2 * FA_MAXG * FA_VL];/* tap t's coefficient lane */
     i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's -off * D */
@@ -580,7 +579,7 @@ typedef struct {
 static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T, i64 D, const i64 *lo,
                             const REAL *wlo, const REAL *whi, const int *two) {
     memset(L, 0, sizeof *L);
-    i64 C1 = 0;
+    i64 off[FA_MAXG * FA_VL] = {0}, C1 = 0;
     while (C1 < C && lo[C1] < T) C1++;
     const int G1 = (int)((C1 + FA_VL - 1) / FA_VL);
     int G = G1;
@@ -593,13 +592,13 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     for (int g = 0; g < G1; g++)
         for (int l = 0; l < FA_VL; l++) {
             const i64 c = g * FA_VL + l, u = c < C1;
-            L->off[c] = u ? lo[c] : 0, L->idx[c] = (REAL)c;
+            off[c] = u ? lo[c] : 0, L->idx[c] = (REAL)c;
             L->wlo[c] = u ? (two[c] ? wlo[c] : 1) : 0, L->whi[c] = u && two[c] ? whi[c] : 0;
             L->two[c] = u && two[c];
-            if (L->hig[g] >= 0) L->off[L->hig[g] * FA_VL + l] = u ? lo[c] + (two[c] != 0) : 0;
+            if (L->hig[g] >= 0) off[L->hig[g] * FA_VL + l] = u ? lo[c] + (two[c] != 0) : 0;
         }
     for (int g = 0; g < G; g++)
-        for (int j = 0; j < FA_VL; j++) L->offr[g * FA_VL + j] = L->off[g * FA_VL + SFX(rev)[j]];
+        for (int j = 0; j < FA_VL; j++) L->offr[g * FA_VL + j] = off[g * FA_VL + SFX(rev)[j]];
     L->nl = (i64)G * FA_VL;
     for (i64 j = 0; j < L->nl; j++) L->noff[j] = -L->offr[j] * D;
     L->n1 = tp->end[C1 - 1];
@@ -1033,18 +1032,19 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 const i64 *eb = ends ? ends + (bh / Hk) * T : NULL;
                 REAL *dkb = dk + bh * T * D, *dvb = dv + bh * T * D;
                 for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
+                /* vector rows: the taps whose reader row exists, for rows that no reader reaches
+                 * through a clamp (-1: bwd_col's row); the same for every query head of the group */
+                i64 nm[FA_BLOCK];
+                for (i64 m = i0; m < i1 && nvx; m++) {
+                    const i64 end = eb ? eb[m] : T;
+                    i64 n = L.n1;
+                    while (n && m + tp.off[n - 1] >= end) n--;
+                    nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
+                }
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C;
                     FA_WITH_NV(nvx, if (NV) {
-                        /* rows that no reader reaches through a clamp: the taps whose reader row exists */
-                        i64 nm[FA_BLOCK];
-                        for (i64 m = i0; m < i1; m++) {
-                            const i64 end = eb ? eb[m] : T;
-                            i64 n = L.n1;
-                            while (n && m + tp.off[n - 1] >= end) n--;
-                            nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
-                        }
                         SFX(bwd_ktile)(dkb, dvb, q + o, dout + o, P + oc, dS + oc, &tp, cix, i0, i1, nm, C, NV);
                         for (i64 m = i0; m < i1; m++)
                             if (nm[m - i0] < 0)
