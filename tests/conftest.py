@@ -4,7 +4,9 @@ Without a CUDA device the ``triton`` backend's kernels run on CPU tensors throug
 interpreter; it must be switched on before any kernel is defined (fibattn defines them on
 first use of the backend). ``-m gpu`` runs the same tests natively on CUDA.
 """
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# torch.compile's on-disk caches key a graph by its code, not by the fake (meta) implementations of the
+# custom ops in it: a graph cached under an older fibattn keeps that version's output shapes (its
+# inductor code then fails a size assert). The suite compiles into a folder of its own per version of
+# the ops' sources, so it never meets another version's graphs.
+_OPS = Path(__file__).resolve().parents[1] / "src" / "fibattn" / "ops"
+_KEY = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(_OPS.glob("*.py")))).hexdigest()[:12]
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / f"fibattn-inductor-{_KEY}"))
 
 
 @pytest.fixture

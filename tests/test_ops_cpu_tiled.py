@@ -7,7 +7,7 @@ import torch
 
 import fibattn
 from fibattn.checks import UsageError
-from fibattn.ops import cpu_backend
+from fibattn.ops import cpu_backend, host_pages
 from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.schedules import attended_distances
 
@@ -129,3 +129,61 @@ def test_backward_scratch_is_reused_across_sizes():
         close([g.double() for g in got[:4]], want[:4], **TOL)
     bufs = cpu_backend._scratch.bufs
     assert bufs[torch.float32].numel() == 2 * 64 * 6     # (B, H, T, C) of the largest call
+
+
+def _mixed(q, k, v, dout, cols, fwd_kind, bwd_kind):
+    """Forward with one kind of rows, backward with the other (the slopes saved by either serve both)."""
+    before = cpu_backend.kernel
+    try:
+        cpu_backend.kernel = fwd_kind
+        out, aux = cpu_backend.attn_forward(q, k, v, cols, 0.3)
+        cpu_backend.kernel = bwd_kind
+        return (out, *cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, 0.3, need_dfrac=True))
+    finally:
+        cpu_backend.kernel = before
+
+
+def test_interpolated_saved_state_holds_the_score_slopes():
+    """An interpolated forward saves P and the slopes q . (k_hi - k_lo) ((B, H, 2T, C), the shape the
+    op's fake implementation gives); the alpha gradient is the same from either kind of rows' slopes."""
+    q, k, v, dout = make(B=1, H=2, Hkv=1, T=180, Dh=32, seed=9)
+    spec = ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89), None)
+    cols = host_columns(spec, 1.45, 180)
+    out, aux = cpu_backend.attn_forward(q, k, v, cols, 0.3)
+    assert aux.shape == cpu_backend.aux_like(q, spec).shape == (1, 2, 360, len(cols.lo))
+    exact = host_columns(ColumnSpec((0, 1, 2, 7)), None, 180)
+    assert cpu_backend.attn_forward(q, k, v, exact, 0.3)[1].shape == (1, 2, 180, 4)
+    want = _mixed(q, k, v, dout, cols, "tiled", "tiled")
+    for kinds in (("rows", "tiled"), ("tiled", "rows")):
+        close(_mixed(q, k, v, dout, cols, *kinds), want, rtol=1e-5, atol=1e-5)
+
+
+def test_large_outputs_ask_for_huge_pages_within_their_own_memory(monkeypatch):
+    """The advice covers the 2 MiB-aligned part of the tensor and nothing outside it; small tensors get none."""
+    calls = []
+    monkeypatch.setattr(host_pages, "_madvise", lambda: lambda start, length, advice: calls.append(
+        (start, length, advice)) or 0)
+    q = torch.zeros(2)
+    big = host_pages.huge_empty(q, 3, 1 << 20)                # 12 MiB
+    (start, length, advice), = calls
+    assert advice == 14 and start % (2 << 20) == 0 and length % (2 << 20) == 0 and length >= 8 << 20
+    assert big.data_ptr() <= start and start + length <= big.data_ptr() + big.numel() * 4
+    assert big.shape == (3, 1 << 20) and big.dtype == q.dtype
+    host_pages.huge_empty(q, 1000)
+    assert len(calls) == 1
+
+
+def test_strided_inputs_are_copied_onto_huge_pages(monkeypatch):
+    """A transposed input (the model's v, the gradient through a transpose) is made contiguous in memory
+    advised onto huge pages; the op's results are those of a plain contiguous copy."""
+    calls = []
+    advise = host_pages._madvise()
+    monkeypatch.setattr(host_pages, "_madvise", lambda: lambda *a: calls.append(a) or (advise(*a) if advise else 0))
+    q, k, v, dout = make(B=1, H=8, Hkv=8, T=1200, Dh=128, seed=4)          # 4.9 MB each
+    vt = v.transpose(1, 2).contiguous().transpose(1, 2)                     # strided, same values
+    cols = host_columns(ColumnSpec((0, 1, 2, 3, 50, 700)), None, 1200)
+    want, _ = cpu_backend.attn_forward(q, k, v, cols, 0.3)
+    assert len(calls) == 1                       # out (P is under 4 MiB)
+    got, _ = cpu_backend.attn_forward(q, k, vt, cols, 0.3)
+    assert len(calls) == 3                       # and now v's copy
+    close(got, want, rtol=0, atol=0)

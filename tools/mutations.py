@@ -76,11 +76,11 @@ MUTATIONS = [
     Mutation("c-dkdv-one-head", "GQA reduction", C,
              "                for (i64 gh = 0; gh < g; gh++) {\n"
              "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
-             "                    const i64 o = h * T * D, oc = h * T * C;\n"
+             "                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;\n"
              "                    FA_WITH_NV(nvx, if (NV) {\n",
              "                for (i64 gh = 0; gh < 1; gh++) {\n"
              "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
-             "                    const i64 o = h * T * D, oc = h * T * C;\n"
+             "                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;\n"
              "                    FA_WITH_NV(nvx, if (NV) {\n", ("tests/test_ops.py", "-k", "cpu")),
     Mutation("triton-dkdv-one-head", "GQA reduction", TK,
              "    gm_ok = (rq // BLOCK_M) < GROUP\n", "    gm_ok = (rq // BLOCK_M) < 1\n",
@@ -100,6 +100,14 @@ MUTATIONS = [
              "VLD(L->wlo + g * FA_VL) * dlo[g] + VLD(L->wlo + g * FA_VL) * dhi[g]", ("tests/test_ops_cpu_tiled.py",)),
     Mutation("c-lanes-dfrac-sign", "kernel offsets", C,
              "p[g] * (dhi[g] - dlo[g])", "p[g] * (dlo[g] - dhi[g])", ("tests/test_ops_cpu_tiled.py",)),
+    Mutation("c-lanes-slope-sign", "kernel offsets", C,
+             "dhi[g] - s[g], (SFX(vec)){0})", "s[g] - dhi[g], (SFX(vec)){0})", ("tests/test_ops_cpu_tiled.py",)),
+    Mutation("c-rows-slope-sign", "kernel offsets", C,
+             "gi[tp->col[t]] = ws->d[t + 1] - ws->d[t]", "gi[tp->col[t]] = ws->d[t] - ws->d[t + 1]",
+             ("tests/test_ops_cpu_tiled.py", "-k", "slopes")),
+    Mutation("c-ktaps-last-tap-dropped", "kernel bounds", C,
+             "case 3: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 3, NV)",
+             "case 3: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 2, NV)", ("tests/test_ops_cpu_tiled.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),

@@ -16,6 +16,7 @@ import torch
 
 from ..ops import cpu_backend
 from ..ops.columns import ColumnSpec, host_columns
+from ..ops.host_pages import huge_empty
 from ..schedules import as_base, attended_distances, interpolation_plan
 
 FLOP_PATHS = ("integer", "interpolated", "integer-docs", "interpolated-docs", "integer-rows", "interpolated-rows")
@@ -86,12 +87,12 @@ def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
     spec = (ColumnSpec(None, cfg.window, tuple(as_base(f"fib:{cfg.fib_k}").resolve(T)), None) if interp
             else ColumnSpec(tuple(_distances(cfg, T))))
     cols, scale = host_columns(spec, cfg.alpha if interp else None, T), cfg.head_dim ** -0.5
-    fwd = (torch.empty_like(q), q.new_empty(*q.shape[:3], len(cols.lo)))
-    bwd = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    fwd = (huge_empty(q, *q.shape), huge_empty(q, *cpu_backend.aux_shape(q, len(cols.lo), cols.interpolated)))
+    bwd = (huge_empty(q, *q.shape), huge_empty(k, *k.shape), huge_empty(v, *v.shape))   # as the op's own
 
     def kernels():
-        out, P = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
-        cpu_backend.attn_backward(q, k, v, out, P, dout, cols, scale, need_dfrac=interp, into=bwd)
+        out, aux = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
+        cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, scale, need_dfrac=interp, into=bwd)
 
     steps, best = (make_step(cfg, path, T, (leaves, dout)), kernels), [float("inf")] * 2
     for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)

@@ -51,13 +51,15 @@ class Columns:
     """Columns of a host kernel, sorted by ``lo``: column ``c`` at row ``i`` reads
     ``wlo[c] * x[i - lo[c]] + whi[c] * x[max(i - lo[c] - 1, 0)]`` (the second tap only when
     ``two[c]``) and is valid when ``i >= lo[c]`` (never when ``lo[c] >= T``). ``b[c]`` is the
-    base value of a rung (``frac = alpha * b - lo``) and 0 for an exact column."""
+    base value of a rung (``frac = alpha * b - lo``) and 0 for an exact column. ``interpolated``:
+    the columns of an interpolated spec (whether or not a rung is usable at this length)."""
 
     lo: tuple[int, ...]
     wlo: tuple[float, ...]
     whi: tuple[float, ...]
     two: tuple[bool, ...]
     b: tuple[int, ...]
+    interpolated: bool = False
 
     def __post_init__(self):
         if any(a > b for a, b in zip(self.lo, self.lo[1:])):
@@ -83,7 +85,7 @@ def host_columns(spec: ColumnSpec, alpha: float | None, T: int) -> Columns:
                    ex.wlo + tuple(1 - f for f in fracs) + (1.0,) * pad,
                    ex.whi + tuple(fracs) + (0.0,) * pad,
                    ex.two + (True,) * len(rungs) + (False,) * pad,
-                   ex.b + tuple(b for _, b in rungs) + (0,) * pad)
+                   ex.b + tuple(b for _, b in rungs) + (0,) * pad, interpolated=True)
 
 
 def dalpha(dfrac: torch.Tensor, b, alpha: torch.Tensor) -> torch.Tensor:
@@ -126,7 +128,7 @@ def host_backward(attn_backward, dout, q, k, v, out, P, spec: ColumnSpec, alpha,
     as in :func:`host_forward` (the eager path hands the forward's columns over)."""
     cd = compute_dtype(q.dtype)
     cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
-    args = [_to(x, cd).contiguous() for x in (q, k, v, out, P, dout)]
+    args = [_to(x, cd) for x in (q, k, v, out, P, dout)]   # the kernel set makes them contiguous (cpu: on huge pages)
     dq, dk, dv, dfrac = attn_backward(*args, cols, scale, need_dfrac=need_dalpha, **docs(off))
     da = dalpha(dfrac, cols.b, alpha) if need_dalpha else None
     return _to(dq, q.dtype), _to(dk, k.dtype), _to(dv, v.dtype), da

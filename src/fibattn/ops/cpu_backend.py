@@ -21,6 +21,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -32,14 +33,15 @@ from pathlib import Path
 import torch
 
 from ..checks import UsageError
-from .columns import host_interface
+from .columns import compute_dtype, host_interface
+from .host_pages import huge_empty
 
 name = "cpu"
 log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 11
+_ABI = 12
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -60,17 +62,17 @@ _lock = threading.Lock()
 _scratch = threading.local()
 
 
-def _scratch_like(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor shaped like ``x`` from a buffer this thread keeps between calls (the
-    largest asked for, per dtype): the backward's dS. Fresh pages for it cost more than the kernel's
-    own work on some machines (a page fault per 4 KiB of every new tensor)."""
+def _scratch_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """An uninitialised tensor of ``x``'s dtype and ``shape`` from a buffer this thread keeps between
+    calls (the largest asked for, per dtype): the backward's dS."""
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
+    n = math.prod(shape)
     buf = bufs.get(x.dtype)
-    if buf is None or buf.numel() < x.numel():
-        buf = bufs[x.dtype] = torch.empty(x.numel(), dtype=x.dtype)
-    return buf[:x.numel()].view(x.shape)
+    if buf is None or buf.numel() < n:
+        buf = bufs[x.dtype] = huge_empty(x, n)
+    return buf[:n].view(shape)
 
 
 def cache_dir() -> Path:
@@ -154,13 +156,16 @@ def _kernel(stem: str, dtype: torch.dtype):
 
 
 def _prep(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors, checked, and contiguous: a strided one (the model's v, the gradient coming back
+    through a transpose) is copied into memory on huge pages (``host_pages``), where the kernels'
+    reads of rows far back miss the TLB less."""
     dtype = xs[0].dtype
     for x in xs:
         if x.device.type != "cpu":
             raise UsageError(f"cpu backend needs CPU tensors, got a tensor on {x.device}")
         if x.dtype != dtype:
             raise UsageError(f"cpu backend needs one dtype, got {dtype} and {x.dtype}")
-    return [x.contiguous() for x in xs]
+    return [x if x.is_contiguous() else huge_empty(x, *x.shape).copy_(x) for x in xs]
 
 
 def _ints(values) -> ctypes.Array:
@@ -238,37 +243,53 @@ def _pointer(x: torch.Tensor | None):
     return None if x is None else _ptr(x.data_ptr())
 
 
+def aux_shape(q: torch.Tensor, count: int, interpolated: bool) -> tuple[int, ...]:
+    """The saved state: ``P`` ``(B, H, T, C)``; for interpolated columns ``(B, H, 2T, C)``, each head's
+    ``P`` rows and then the score slopes ``q . (k_hi - k_lo)`` of its two-tap columns (the alpha
+    gradient then needs no dots of its own: a sixth of the interpolated backward's instructions)."""
+    B, H, T = q.shape[:3]
+    return (B, H, 2 * T if interpolated else T, count)
+
+
+def _split(aux: torch.Tensor, T: int) -> tuple:
+    """``(P, G or None, head stride)`` pointers of a contiguous saved state for the kernels."""
+    G = _ptr(aux[:, :, T:].data_ptr()) if aux.shape[2] == 2 * T else None
+    return _ptr(aux.data_ptr()), G, _i64(aux.shape[2] * aux.shape[3])
+
+
 def attn_forward(q, k, v, cols, scale: float, off=None, into=None):
-    """``(out, P)``: softmax attention over ``cols`` (an ``engine.Columns``); ``P`` is ``(B, H, T, C)``.
-    ``off`` (B, T) int32: each row's position inside its document (None: one document per row).
-    ``into``: ``(out, P)`` to write instead of new tensors (contiguous, the right shapes; the
-    kernels alone, for ``bench attention``)."""
+    """``(out, aux)``: softmax attention over ``cols`` (an ``engine.Columns``); ``aux`` is the
+    saved state (:func:`aux_shape`). ``off`` (B, T) int32: each row's position inside its document
+    (None: one document per row). ``into``: ``(out, aux)`` to write instead of new tensors
+    (contiguous, the right shapes; the kernels alone, for ``bench attention``)."""
     q, k, v = _prep(q, k, v)
     off = _positions(off, q)
     fn = _kernel("fa_attn_fwd", q.dtype)
     C = len(cols.lo)
-    out, P = into or (torch.empty_like(q), q.new_empty(*q.shape[:3], C))
-    if P.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, P)), *_dims(q, k), _i64(C),
+    out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)))
+    if aux.numel():
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *_split(aux, q.shape[2]), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
-    return out, P
+    return out, aux
 
 
-def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, off=None, into=None):
-    """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``;
-    ``off`` as in :func:`attn_forward`; ``into``: ``(dq, dk, dv)`` to write, as there."""
-    q, k, v, out, P, dout = _prep(q, k, v, out, P, dout)
+def attn_backward(q, k, v, out, aux, dout, cols, scale: float, need_dfrac: bool = False, off=None, into=None):
+    """``(dq, dk, dv, dfrac)``; ``aux`` the forward's; ``dfrac[c]`` (float64, or None) is d loss / d frac
+    of column ``c``; ``off`` as in :func:`attn_forward`; ``into``: ``(dq, dk, dv)`` to write, as there."""
+    q, k, v, out, aux, dout = _prep(q, k, v, out, aux, dout)
     off = _positions(off, q)
     fn = _kernel("fa_attn_bwd", q.dtype)
     C = len(cols.lo)
-    dq, dk, dv = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    dS = _scratch_like(P)
+    dq, dk, dv = into or (huge_empty(q, *q.shape), huge_empty(k, *k.shape), huge_empty(v, *v.shape))
+    B, H, T = q.shape[:3]
+    dS = _scratch_like(q, B, H, T, C)
     dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
-    if P.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout, P, dS, dq, dk, dv)),
+    if aux.numel():
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout)), *_split(aux, q.shape[2]),
+                    *(_ptr(x.data_ptr()) for x in (dS, dq, dk, dv)),
                     _pointer(dfrac), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
                     ctypes.c_int(torch.get_num_threads()))
@@ -279,4 +300,9 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     return dq, dk, dv, (dfrac[:C] if need_dfrac else None)
 
 
-forward, backward, aux_like, plan = host_interface(attn_forward, attn_backward)      # the op interface
+forward, backward, _, plan = host_interface(attn_forward, attn_backward)      # the op interface
+
+
+def aux_like(q, spec):
+    """The saved state of :func:`forward` (:func:`aux_shape`), in the compute dtype."""
+    return q.new_empty(aux_shape(q, spec.count, spec.interpolated), dtype=compute_dtype(q.dtype))

@@ -70,7 +70,7 @@ static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i6
     for (; j < n; j++) out[j] = -fa_min(off[j], lim) * D;
 }
 
-int fa_abi_version(void) { return 11; }
+int fa_abi_version(void) { return 12; }
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
  * dpos is 0); NULL when out of memory. */
@@ -319,6 +319,8 @@ FA_INLINE SFX(vec) SFX(dotv)(const REAL *restrict x, const REAL *restrict bi, co
                             const int NV) {
     const SFX(uvec) *r[FA_VL];
     SFX(vec) a[FA_VL];
+    __asm__("" : "+r"(x));       /* opaque: x's vectors are loaded here, not hoisted out of the caller's
+                                  * loop over groups into registers that the accumulators then lack */
 #pragma GCC unroll 16
     for (int j = 0; j < FA_VL; j++) r[j] = (const SFX(uvec) *)(bi + noff[j]), a[j] = (SFX(vec)){0};
 #pragma GCC unroll 16
@@ -644,7 +646,7 @@ FA_INLINE void SFX(gather_part)(REAL *restrict y, const REAL *restrict bi, const
     for (i64 t = 0; t < n; t++) {
         const SFX(uvec) *r = (const SFX(uvec) *)(bi + tn[t]) + C0;
         __asm__("" : "+r"(r));       /* opaque: one register, the vectors at fixed displacements */
-        const REAL ct = cf[lane[t]];
+        const REAL ct = lane ? cf[lane[t]] : cf[t];
 #pragma GCC unroll 8
         for (int c = 0; c < NC; c++) a[c] += ct * r[c];
     }
@@ -652,12 +654,37 @@ FA_INLINE void SFX(gather_part)(REAL *restrict y, const REAL *restrict bi, const
     for (int c = 0; c < NC; c++) VST(y + (C0 + c) * FA_VL, a[c]);
 }
 
-/* y = sum over taps t < n of cf[lane[t]] * bi[tn[t]] (tn: L->tnoff or a clamped row's table), in
- * register blocks of at most 8 vectors. */
+/* y = sum over taps t < n of cf[lane[t]] * bi[tn[t]] (tn: L->tnoff or a clamped row's table; cf[t]
+ * when every column has one tap), in register blocks of at most 8 vectors: one function per head
+ * size, kept out of line so that its loop has the registers to itself (inlined into a row, the
+ * loop's pointers were reloaded from the stack on every tap). */
+#define FA_GATHER(N)                                                                                  \
+    static __attribute__((noinline)) void SFX(gather##N)(REAL *restrict y, const REAL *restrict bi,   \
+                                                         const i64 *restrict tn, i64 n,               \
+                                                         const i64 *restrict lane, const REAL *restrict cf) { \
+        if (lane) {                                                                                   \
+            SFX(gather_part)(y, bi, tn, n, lane, cf, 0, N < 8 ? N : 8);                               \
+            if (N > 8) SFX(gather_part)(y, bi, tn, n, lane, cf, 8, N > 8 ? N - 8 : 0);                \
+        } else {                                                                                      \
+            SFX(gather_part)(y, bi, tn, n, NULL, cf, 0, N < 8 ? N : 8);                               \
+            if (N > 8) SFX(gather_part)(y, bi, tn, n, NULL, cf, 8, N > 8 ? N - 8 : 0);                \
+        }                                                                                             \
+    }
+FA_GATHER(2)
+FA_GATHER(4)
+FA_GATHER(8)
+FA_GATHER(16)
+#undef FA_GATHER
+
 FA_INLINE void SFX(gatherL)(REAL *restrict y, const REAL *restrict bi, const i64 *restrict tn, i64 n,
-                            const SFX(lanes_t) *L, const REAL *restrict cf, const int NV) {
-    if (NV <= 8) SFX(gather_part)(y, bi, tn, n, L->lane, cf, 0, NV);
-    else SFX(gather_part)(y, bi, tn, n, L->lane, cf, 0, 8), SFX(gather_part)(y, bi, tn, n, L->lane, cf, 8, NV - 8);
+                            const SFX(lanes_t) *L, int one, const REAL *restrict cf, const int NV) {
+    const i64 *lane = one ? NULL : L->lane;
+    switch (NV) {
+    case 2: SFX(gather2)(y, bi, tn, n, lane, cf); break;
+    case 4: SFX(gather4)(y, bi, tn, n, lane, cf); break;
+    case 8: SFX(gather8)(y, bi, tn, n, lane, cf); break;
+    case 16: SFX(gather16)(y, bi, tn, n, lane, cf); break;
+    }
 }
 
 /* Store the column vectors to y[0..C) (their lanes past C1 hold 0), zeros past them. */
@@ -704,29 +731,42 @@ FA_INLINE void SFX(row_tables)(const i64 **ln, const i64 **tn, const SFX(lanes_t
     *ln = tab, *tn = tab + L->nl;
 }
 
-/* Row i of the forward with nv valid columns (a prefix). */
+/* Row i of the forward with nv valid columns (a prefix); gi (or NULL): row i of the score slopes,
+ * q . (k_hi - k_lo) for the alpha gradient, in the valid lanes of the column groups with a hi group
+ * (0 elsewhere: the saved state is an output of the op, so every value is defined). */
 FA_INLINE void SFX(fwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                             REAL *restrict oi, REAL *restrict pi, const SFX(taps_t) *tp, const SFX(lanes_t) *L,
-                             REAL *restrict cf, i64 *restrict tab, i64 i, i64 lim, i64 nv, i64 C, REAL scale,
-                             const int NV) {
+                             REAL *restrict oi, REAL *restrict pi, REAL *restrict gi, const SFX(taps_t) *tp,
+                             const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i, i64 lim, i64 nv,
+                             i64 C, REAL scale, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     const i64 *ln, *tn;
     SFX(row_tables)(&ln, &tn, L, tp, lim, D, tab);
-    SFX(vec) s[FA_MAXG];
+    SFX(vec) s[FA_MAXG], dhi[FA_MAXG];
     const int ng = (int)((nv + FA_VL - 1) / FA_VL);
-    SFX(colscores)(s, L, qi, kb + i * D, ln, ng, NV);
+    SFX(coldots)(s, dhi, L, qi, kb + i * D, ln, ng, NV);
+    if (gi) {
+        SFX(vec) sl[FA_MAXG];
+        for (int g = 0; g < L->G1; g++)
+            sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(VLD(L->idx + g * FA_VL) < (REAL)nv, dhi[g] - s[g], (SFX(vec)){0})
+                                             : (SFX(vec)){0};
+        SFX(put_cols)(gi, sl, L, C);
+    }
+    SFX(colmix)(s, s, dhi, L, ng);
     SFX(vsoftmax)(s, L, nv, ng, scale);
     SFX(put_cols)(pi, s, L, C);
     SFX(coefs)(cf, s, L, 1);
-    SFX(gatherL)(oi, vb + i * D, tn, tp->end[nv - 1], L, cf, NV);
+    SFX(gatherL)(oi, vb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
 }
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                            REAL *restrict oi, REAL *restrict pi, const SFX(taps_t) *tp, SFX(ws_t) *ws, i64 i,
-                            i64 lim, i64 nv, i64 D, i64 C, REAL scale) {
+                            REAL *restrict oi, REAL *restrict pi, REAL *restrict gi, const SFX(taps_t) *tp,
+                            SFX(ws_t) *ws, i64 i, i64 lim, i64 nv, i64 D, i64 C, REAL scale) {
     const i64 n = tp->end[nv - 1];
     for (i64 t = 0; t < n; t++) ws->row[t] = i - fa_min(tp->off[t], lim);
     SFX(dots)(qi, kb, ws->row, n, D, ws->d);
+    if (gi) SFX(zero)(gi, C);
+    for (i64 t = 0; gi && t + 1 < n; t++)              /* score slopes, as in fwd_vrow */
+        if (tp->col[t + 1] == tp->col[t]) gi[tp->col[t]] = ws->d[t + 1] - ws->d[t], t++;
     REAL *s = tp->one ? ws->d : ws->s;                  /* scores per column */
     if (!tp->one) {
         for (i64 c = 0; c < nv; c++) s[c] = 0;
@@ -760,12 +800,14 @@ static int SFX(fixed_nv)(i64 D, int fast) {
     default: { const int NV = 0; __VA_ARGS__; }                                                        \
     }
 
-/* out = softmax(scale * q.k_cols) . v_cols;  P (B,H,T,C) keeps the probabilities. */
+/* out = softmax(scale * q.k_cols) . v_cols;  P keeps the probabilities and G (or NULL) the score slopes
+ * (see fwd_vrow; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
+ * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C. */
 /* The fused kernels split (head, block) statically: each thread streams whole heads (contiguous
  * chunks), which keeps a head's rows in its own caches (measured 10-15 % faster at 16K than
  * dynamic chunks of blocks). */
-int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, i64 B, i64 H, i64 Hk,
-                     i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
+int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, REAL *G, i64 PH, i64 B, i64 H,
+                     i64 Hk, i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, const int32_t *dpos, int fast, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
@@ -788,17 +830,18 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
-                    REAL *oh = out + h * T * D, *ph = P + h * T * C;
+                    REAL *oh = out + h * T * D, *ph = P + h * PH, *gh = G ? G + h * PH : NULL;
                     i64 nv = 0;
                     FA_WITH_NV(nvx, for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
                         if (NV) {
-                            SFX(fwd_vrow)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &tp, &L, ws.cf, ws.tab, i, lim,
-                                          nv, C, scale, NV);
+                            SFX(fwd_vrow)(qh + i * D, kb, vb, oh + i * D, ph + i * C, gh ? gh + i * C : NULL, &tp, &L,
+                                          ws.cf, ws.tab, i, lim, nv, C, scale, NV);
                             continue;
                         }
-                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, &tp, &ws, i, lim, nv, D, C, scale);
+                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, gh ? gh + i * C : NULL, &tp, &ws, i,
+                                     lim, nv, D, C, scale);
                     })
                 }
             }
@@ -826,10 +869,10 @@ FA_INLINE REAL SFX(vdot)(const REAL *restrict a, const REAL *restrict b, const i
 }
 
 /* Pass 1 of the backward for row i in vectors: dS (times scale), dq, and d/d frac of the two-tap
- * columns into part (when non-NULL). */
+ * columns into part (when non-NULL), from the forward's score slopes si (or, when NULL, two dots). */
 FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
                              const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
-                             REAL *restrict dsi, REAL *restrict dqi, double *restrict part,
+                             const REAL *restrict si, REAL *restrict dsi, REAL *restrict dqi, double *restrict part,
                              const SFX(taps_t) *tp, const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i,
                              i64 lim, i64 nv, i64 C, REAL scale, const int NV) {
     const i64 D = (i64)NV * FA_VL;
@@ -844,12 +887,13 @@ FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, c
     for (int g = 0; g < ng; g++) ds[g] = p[g] * (ds[g] - delta);  /* dS = P (dP - delta); 0 where P is */
     for (int g = ng; g < L->G1; g++) ds[g] = p[g] - p[g];
     SFX(coefs)(cf, ds, L, scale);
-    SFX(gatherL)(dqi, kb + i * D, tn, tp->end[nv - 1], L, cf, NV);
+    SFX(gatherL)(dqi, kb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
     if (part) {  /* d/d frac of a two-tap column: scale dS q.(k_hi - k_lo) + P dout.(v_hi - v_lo) */
         for (int g = 0; g < ng; g++)
             if (L->hig[g] >= 0) {
-                const SFX(vec) dq = SFX(dotv)(qi, kb + i * D, ln + L->hig[g] * FA_VL, NV) -
-                                    SFX(dotv)(qi, kb + i * D, ln + g * FA_VL, NV);
+                const SFX(vec) dq = si ? SFX(vload_n)(si + g * FA_VL, C - g * FA_VL)
+                                       : SFX(dotv)(qi, kb + i * D, ln + L->hig[g] * FA_VL, NV) -
+                                         SFX(dotv)(qi, kb + i * D, ln + g * FA_VL, NV);
                 const SFX(vec) t = scale * ds[g] * dq + p[g] * (dhi[g] - dlo[g]);
                 for (int l = 0; l < FA_VL; l++)
                     if (L->two[g * FA_VL + l] && g * FA_VL + l < nv) part[g * FA_VL + l] += (double)t[l];
@@ -859,53 +903,65 @@ FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, c
     SFX(put_cols)(dsi, ds, L, C);
 }
 
+/* Taps [t0, t0 + NJ) of one side of pass 2 over the key rows [m0, m1) (rows with nm < 0 skipped):
+ * y[m] += sum_j w_j c[m + off_j, col_j] x[m + off_j]. Each tap's rows are read by its own load
+ * instructions as a stream of consecutive rows (what the prefetchers follow), and a row's partial
+ * sums stay in registers between one load and one store of y. */
+FA_INLINE void SFX(ktaps)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, const SFX(taps_t) *tp,
+                          const i64 *restrict cix, i64 t0, i64 m0, i64 m1, const i64 *restrict nm, i64 C,
+                          const int NJ, const int NV) {
+    const i64 D = (i64)NV * FA_VL;
+    enum { CH = 8 };
+    i64 xo[4], co[4];
+    REAL w[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; j++) xo[j] = tp->off[t0 + j] * D, co[j] = cix[t0 + j], w[j] = tp->w[t0 + j];
+    for (i64 m = m0; m < m1; m++) {
+        if (nm[m - m0] < 0) continue;
+        REAL *y = yb + m * D;
+        const REAL *x = xb + m * D, *cv = cb + m * C;
+        REAL ct[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++) ct[j] = tp->one ? cv[co[j]] : w[j] * cv[co[j]];
+        for (int c0 = 0; c0 < NV; c0 += CH) {
+            const int nc = NV - c0 < CH ? NV - c0 : CH;
+            SFX(vec) a[CH];
+#pragma GCC unroll 8
+            for (int c = 0; c < nc; c++) a[c] = VLD(y + (c0 + c) * FA_VL);
+#pragma GCC unroll 4
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 8
+                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xo[j] + (c0 + c) * FA_VL);
+#pragma GCC unroll 8
+            for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
+        }
+    }
+}
+
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
  * taps each: those whose reader row m + off exists; -1 marks a row left to bwd_col):
  * dk += sum_t w dS[m + off, col] q[m + off], dv += sum_t w P[m + off, col] dout[m + off].
- * Taps go four at a time over all rows of the tile, each tap's rows read by its own load
- * instructions as a stream of consecutive rows (what the prefetchers follow), the partial sums of
- * a row in registers between the groups' loads and stores of dk and dv. cix[t] = off * C + col. */
-#define FA_TAPS 4
+ * The taps every row has go four at a time (then the last one to three together) over all rows of
+ * the tile (ktaps); cix[t] = off * C + col. */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
                               const SFX(taps_t) *tp, const i64 *restrict cix, i64 m0, i64 m1,
                               const i64 *restrict nm, i64 C, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    enum { CH = 8 };
     i64 nt = tp->n;
     for (i64 m = m0; m < m1; m++) nt = nm[m - m0] >= 0 && nm[m - m0] < nt ? nm[m - m0] : nt;
     for (int side = 0; side < 2; side++) {
         REAL *yb = side ? dvb : dkb;
         const REAL *xb = side ? gh_ : qh, *cb = side ? ph : dsh;
         i64 t0 = 0;
-        for (; t0 + FA_TAPS <= nt; t0 += FA_TAPS) {
-            i64 xo[FA_TAPS], co[FA_TAPS];
-            REAL w[FA_TAPS];
-#pragma GCC unroll 4
-            for (int j = 0; j < FA_TAPS; j++) xo[j] = tp->off[t0 + j] * D, co[j] = cix[t0 + j], w[j] = tp->w[t0 + j];
-            for (i64 m = m0; m < m1; m++) {
-                if (nm[m - m0] < 0) continue;
-                REAL *y = yb + m * D;
-                const REAL *x = xb + m * D, *cv = cb + m * C;
-                REAL ct[FA_TAPS];
-#pragma GCC unroll 4
-                for (int j = 0; j < FA_TAPS; j++) ct[j] = tp->one ? cv[co[j]] : w[j] * cv[co[j]];
-                for (int c0 = 0; c0 < NV; c0 += CH) {
-                    const int nc = NV - c0 < CH ? NV - c0 : CH;
-                    SFX(vec) a[CH];
-#pragma GCC unroll 8
-                    for (int c = 0; c < nc; c++) a[c] = VLD(y + (c0 + c) * FA_VL);
-#pragma GCC unroll 4
-                    for (int j = 0; j < FA_TAPS; j++)
-#pragma GCC unroll 8
-                        for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xo[j] + (c0 + c) * FA_VL);
-#pragma GCC unroll 8
-                    for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
-                }
-            }
+        for (; t0 + 4 <= nt; t0 += 4) SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 4, NV);
+        switch (nt - t0) {
+        case 3: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 3, NV); break;
+        case 2: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 2, NV); break;
+        case 1: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 1, NV); break;
         }
-        for (i64 m = m0; m < m1; m++)                  /* the rest of each row's taps, one at a time */
-            for (i64 t = t0; t < nm[m - m0]; t++) {
+        for (i64 m = m0; m < m1; m++)                  /* a row's further taps (near the end), one at a time */
+            for (i64 t = nt; t < nm[m - m0]; t++) {
                 REAL *y = yb + m * D;
                 const REAL *x = xb + (m + tp->off[t]) * D, *cv = cb + m * C;
                 const REAL ct = tp->one ? cv[cix[t]] : tp->w[t] * cv[cix[t]];
@@ -970,11 +1026,12 @@ FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *
     SFX(gather)(dkm, qh, ws->row, ws->cf, n, D), SFX(gather)(dvm, gh_, ws->row, ws->cf2, n, D);
 }
 
-/* Gradients of fa_attn_fwd. dS (B,H,T,C) is scratch (the vector rows keep it times scale); when
+/* Gradients of fa_attn_fwd (P, G and PH as there). dS (B,H,T,C) is scratch (the vector rows keep it times scale); when
  * dfrac (C doubles) is non-NULL, d loss / d f of each two-tap column is added to it, along
  * (wlo, whi) = (1 - f, f). */
 int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
-                     const REAL *P, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac, i64 B, i64 H, i64 Hk,
+                     const REAL *P, const REAL *G, i64 PH, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac,
+                     i64 B, i64 H, i64 Hk,
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, const int32_t *dpos, int fast, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
@@ -1006,18 +1063,18 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 double *part = parts ? parts + (bh * nb + blk) * C : NULL;
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
-                    const i64 o = h * T * D, oc = h * T * C;
+                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;
                     i64 nv = 0;
                     FA_WITH_NV(nvx, for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
                         if (NV) {
-                            SFX(bwd_vrow)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + oc + i * C,
-                                          dS + oc + i * C, dq + o + i * D, part, &tp, &L, ws.cf, ws.tab, i, lim,
-                                          nv, C, scale, NV);
+                            SFX(bwd_vrow)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + op + i * C,
+                                          G ? G + op + i * C : NULL, dS + oc + i * C, dq + o + i * D, part, &tp, &L,
+                                          ws.cf, ws.tab, i, lim, nv, C, scale, NV);
                             continue;
                         }
-                        SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + oc + i * C,
+                        SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + op + i * C,
                                      dS + oc + i * C, dq + o + i * D, part, &tp, &ws, i, lim, nv, D, C, scale);
                     })
                 }
@@ -1043,15 +1100,15 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 }
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
-                    const i64 o = h * T * D, oc = h * T * C;
+                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;
                     FA_WITH_NV(nvx, if (NV) {
-                        SFX(bwd_ktile)(dkb, dvb, q + o, dout + o, P + oc, dS + oc, &tp, cix, i0, i1, nm, C, NV);
+                        SFX(bwd_ktile)(dkb, dvb, q + o, dout + o, P + op, dS + oc, &tp, cix, i0, i1, nm, C, NV);
                         for (i64 m = i0; m < i1; m++)
                             if (nm[m - i0] < 0)
-                                SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &tp, &ws, m,
+                                SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + op, dS + oc, &tp, &ws, m,
                                              pb ? pb[m] == 0 : m == 0, eb ? eb[m] : T, D, C, lo, whi, two);
                     } else for (i64 m = i0; m < i1; m++) {
-                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + oc, dS + oc, &tp, &ws, m,
+                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + op, dS + oc, &tp, &ws, m,
                                      pb ? pb[m] == 0 : m == 0, eb ? eb[m] : T, D, C, lo, whi, two);
                     })
                 }
