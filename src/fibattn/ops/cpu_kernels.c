@@ -27,7 +27,8 @@
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
  * sums over taps keep their accumulators in registers. The backward's key-row pass (bwd_ktile)
  * goes four taps at a time over a block of rows. d/d frac is summed per (head, block) and then
- * in a fixed order, so it is bit-identical for any thread count.
+ * in a fixed order, so it is bit-identical for any thread count; its q . (k_hi - k_lo) comes from
+ * the forward, which saves it next to P (the score slopes, G) for interpolated columns.
  */
 #ifndef FA_BODY
 #define FA_BODY

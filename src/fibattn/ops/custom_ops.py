@@ -12,8 +12,9 @@ compiler, functorch, a dispatch mode) the public functions call them through
 that formula, because functorch's transforms see those and not a registered formula; plain
 eager calls skip this dispatch (``eager``).
 
-``aux`` is the backend's saved softmax state (``P`` ``(B, H, T, C)`` for ``torch`` / ``cpu``,
-the log-sum-exp ``(B, H, T)`` for ``triton``); its shape depends only on the arguments,
+``aux`` is the backend's saved softmax state (``P`` ``(B, H, T, C)`` for ``torch`` / ``cpu``, and
+for ``cpu``'s interpolated op ``P`` and the score slopes, ``(B, H, 2T, C)``; the log-sum-exp
+``(B, H, T)`` for ``triton``); its shape depends only on the arguments,
 never on ``alpha`` (``columns.ColumnSpec.count``), so the fake implementations are exact
 and a learned alpha's column plan is computed *inside* the op — no graph break, no host
 sync on CUDA.
