@@ -25,8 +25,10 @@
  * Vector rows (issue 29; head size 2, 4, 8 or 16 SIMD vectors, fast != 0, see lanes_t): a row's
  * column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
- * sums over taps keep their accumulators in registers. The backward's key-row pass (bwd_ktile)
- * goes four taps at a time over a block of rows. d/d frac is summed per (head, block) and then
+ * sums over taps keep their accumulators in registers. Blocks of rows that see all their columns
+ * (no row reaches its document start) go one lane group, then four taps, at a time over the block's
+ * rows (fwd_vblock, bwd_vblock), as the backward's key-row pass (bwd_ktile) does for every block:
+ * each tap's rows are then a stream of consecutive rows. d/d frac is summed per (head, block) and then
  * in a fixed order, so it is bit-identical for any thread count; its q . (k_hi - k_lo) comes from
  * the forward, which saves it next to P (the score slopes, G) for interpolated columns.
  */
@@ -342,15 +344,18 @@ FA_INLINE SFX(vec) SFX(dotv)(const REAL *restrict x, const REAL *restrict bi, co
 typedef struct {
     i64 *row, *col, *tab;        /* tab: a vector row's clamped offsets (3 * FA_MAXG * FA_VL) */
     REAL *w, *d, *d2, *cf, *cf2, *s;
+    SFX(vec) *blk;               /* a block of vector rows: FA_BLOCK rows of 2 * FA_MAXG vectors, then their
+                                  * coefficients (FA_MAXG * FA_VL each) */
 } SFX(ws_t);
 
 static int SFX(ws_init)(SFX(ws_t) *ws, i64 C) {
     const i64 n = 3 * C + 4 + FA_MAXG * FA_VL;       /* cf also holds the lanes of the vector rows */
     ws->row = malloc(sizeof(i64) * (2 * n + 3 * FA_MAXG * FA_VL));
     ws->w = malloc(sizeof(REAL) * 6 * n);
-    if (!ws->row || !ws->w) {
-        free(ws->row), free(ws->w);
-        ws->row = NULL, ws->w = NULL;
+    ws->blk = aligned_alloc(64, sizeof(SFX(vec)) * FA_BLOCK * 3 * FA_MAXG);
+    if (!ws->row || !ws->w || !ws->blk) {
+        free(ws->row), free(ws->w), free(ws->blk);
+        ws->row = NULL, ws->w = NULL, ws->blk = NULL;
         return 1;
     }
     ws->col = ws->row + n, ws->tab = ws->row + 2 * n;
@@ -359,7 +364,7 @@ static int SFX(ws_init)(SFX(ws_t) *ws, i64 C) {
     return 0;
 }
 
-static void SFX(ws_free)(SFX(ws_t) *ws) { free(ws->row), free(ws->w); }
+static void SFX(ws_free)(SFX(ws_t) *ws) { free(ws->row), free(ws->w), free(ws->blk); }
 
 /* ---------------------------------------------------------------- generic primitives */
 
@@ -732,6 +737,23 @@ FA_INLINE void SFX(row_tables)(const i64 **ln, const i64 **tn, const SFX(lanes_t
     *ln = tab, *tn = tab + L->nl;
 }
 
+/* The middle of a forward row, from its dots s (first taps) and dhi (second taps) of ng groups: the
+ * score slopes to gi (or NULL), the probabilities to pi, their tap coefficients to cf. */
+FA_INLINE void SFX(fwd_vmid)(SFX(vec) *s, const SFX(vec) *dhi, REAL *restrict pi, REAL *restrict gi,
+                             REAL *restrict cf, const SFX(lanes_t) *L, i64 nv, int ng, i64 C, REAL scale) {
+    if (gi) {
+        SFX(vec) sl[FA_MAXG];
+        for (int g = 0; g < L->G1; g++)
+            sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(VLD(L->idx + g * FA_VL) < (REAL)nv, dhi[g] - s[g], (SFX(vec)){0})
+                                             : (SFX(vec)){0};
+        SFX(put_cols)(gi, sl, L, C);
+    }
+    SFX(colmix)(s, s, dhi, L, ng);
+    SFX(vsoftmax)(s, L, nv, ng, scale);
+    SFX(put_cols)(pi, s, L, C);
+    SFX(coefs)(cf, s, L, 1);
+}
+
 /* Row i of the forward with nv valid columns (a prefix); gi (or NULL): row i of the score slopes,
  * q . (k_hi - k_lo) for the alpha gradient, in the valid lanes of the column groups with a hi group
  * (0 elsewhere: the saved state is an output of the op, so every value is defined). */
@@ -745,18 +767,96 @@ FA_INLINE void SFX(fwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, c
     SFX(vec) s[FA_MAXG], dhi[FA_MAXG];
     const int ng = (int)((nv + FA_VL - 1) / FA_VL);
     SFX(coldots)(s, dhi, L, qi, kb + i * D, ln, ng, NV);
-    if (gi) {
-        SFX(vec) sl[FA_MAXG];
-        for (int g = 0; g < L->G1; g++)
-            sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(VLD(L->idx + g * FA_VL) < (REAL)nv, dhi[g] - s[g], (SFX(vec)){0})
-                                             : (SFX(vec)){0};
-        SFX(put_cols)(gi, sl, L, C);
-    }
-    SFX(colmix)(s, s, dhi, L, ng);
-    SFX(vsoftmax)(s, L, nv, ng, scale);
-    SFX(put_cols)(pi, s, L, C);
-    SFX(coefs)(cf, s, L, 1);
+    SFX(fwd_vmid)(s, dhi, pi, gi, cf, L, nv, ng, C, scale);
     SFX(gatherL)(oi, vb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
+}
+
+/* Rows [m0, m1) (those with nm[m - m0] >= 0 when nm is given) of y += sum_j c_j(m) x[m + xo_j / D] over
+ * NJ taps: x row element offsets xo[j]; coefficients c_j(m) = w[j] * cb[(m - m0) * cs + co[j]] (w NULL:
+ * 1); init: y starts at 0 instead of its stored value. Each tap's rows are read by its own load
+ * instructions as a stream of consecutive rows (what the prefetchers follow), and a row's partial sums
+ * stay in registers between one load and one store of y. */
+FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
+                           const i64 *restrict xo_, const i64 *restrict co_, const REAL *restrict w_, int init,
+                           i64 m0, i64 m1, const i64 *restrict nm, const int NJ, const int NV) {
+    const i64 D = (i64)NV * FA_VL;
+    enum { CH = 8 };
+    i64 xo[4], co[4];
+    REAL w[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < NJ; j++) xo[j] = xo_[j], co[j] = co_[j], w[j] = w_ ? w_[j] : 1;
+    for (i64 m = m0; m < m1; m++) {
+        if (nm && nm[m - m0] < 0) continue;
+        REAL *y = yb + m * D;
+        const REAL *x = xb + m * D, *cv = cb + (m - m0) * cs;
+        REAL ct[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++) ct[j] = w_ ? w[j] * cv[co[j]] : cv[co[j]];
+        for (int c0 = 0; c0 < NV; c0 += CH) {
+            const int nc = NV - c0 < CH ? NV - c0 : CH;
+            SFX(vec) a[CH];
+#pragma GCC unroll 8
+            for (int c = 0; c < nc; c++) a[c] = init ? (SFX(vec)){0} : (SFX(vec))VLD(y + (c0 + c) * FA_VL);
+#pragma GCC unroll 4
+            for (int j = 0; j < NJ; j++)
+#pragma GCC unroll 8
+                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xo[j] + (c0 + c) * FA_VL);
+#pragma GCC unroll 8
+            for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
+        }
+    }
+}
+
+/* All n taps of tapsum, four at a time then the last one to three together (tap t: x offset xo[t],
+ * coefficient index co[t], weight w[t]; the first group initialises y when init). */
+FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
+                            const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
+                            i64 m0, i64 m1, const i64 *restrict nm, const int NV) {
+    i64 t0 = 0;
+    for (; t0 + 4 <= n; t0 += 4, init = 0)
+        SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, 4, NV);
+#define FA_REST(j) SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, j, NV)
+    switch (n - t0) {
+    case 3: FA_REST(3); break;
+    case 2: FA_REST(2); break;
+    case 1: FA_REST(1); break;
+    }
+#undef FA_REST
+}
+
+/* The dots of rows [i0, i1) of x with their lane rows of base (the shared offsets), one lane group at
+ * a time over all the rows: row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap
+ * groups FA_MAXG further. */
+FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, const REAL *restrict x,
+                               const REAL *restrict base, i64 i0, i64 i1, const int NV) {
+    const i64 D = (i64)NV * FA_VL;
+    for (int g = 0; g < L->G1; g++)
+        for (int hi = 0; hi < 2; hi++) {
+            if (hi && L->hig[g] < 0) continue;
+            const i64 *ln = L->noff + (hi ? L->hig[g] : g) * FA_VL;
+            SFX(vec) *d = blk + hi * FA_MAXG + g;
+            for (i64 m = i0; m < i1; m++) d[(m - i0) * 2 * FA_MAXG] = SFX(dotv)(x + m * D, base + m * D, ln, NV);
+        }
+}
+
+/* Rows [i0, i1) of one head's forward when none of them reaches its document start (all C1 columns
+ * valid, the shared offsets): the same results as fwd_vrow row by row, in another order. The dots go
+ * one lane group at a time over all the rows and the weighted sums four taps at a time, so each tap's
+ * rows are read by its own load instructions as a stream of consecutive rows (what the prefetchers
+ * follow; row by row, each of ~46 rows a query reads was a separate jump). ws->blk holds the block's
+ * dots and coefficients. */
+FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
+                               REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const SFX(taps_t) *tp,
+                               const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, REAL scale,
+                               const int NV) {
+    const i64 M = i1 - i0, nv = L->C1;
+    const int G1 = L->G1;
+    REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
+    SFX(block_dots)(blk, L, qh, kb, i0, i1, NV);
+    for (i64 m = 0; m < M; m++)
+        SFX(fwd_vmid)(blk + m * 2 * FA_MAXG, blk + m * 2 * FA_MAXG + FA_MAXG, ph + (i0 + m) * C,
+                      gh ? gh + (i0 + m) * C : NULL, cb + m * FA_MAXG * FA_VL, L, nv, G1, C, scale);
+    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, NV);
 }
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
@@ -828,12 +928,16 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                 const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
                 const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+                int open = nvx != 0;                    /* no row reaches its document start: fwd_vblock */
+                for (i64 i = i0; i < i1 && open; i++) open = (pb ? pb[i] : i) >= L.maxoff;
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * D, *ph = P + h * PH, *gh = G ? G + h * PH : NULL;
                     i64 nv = 0;
-                    FA_WITH_NV(nvx, for (i64 i = i0; i < i1; i++) {
+                    FA_WITH_NV(nvx, if (NV && open) {
+                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, &tp, &L, ws.blk, i0, i1, C, scale, NV);
+                    } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
                         if (NV) {
@@ -869,32 +973,28 @@ FA_INLINE REAL SFX(vdot)(const REAL *restrict a, const REAL *restrict b, const i
     return SFX(hsum)(s0 + s1);
 }
 
-/* Pass 1 of the backward for row i in vectors: dS (times scale), dq, and d/d frac of the two-tap
- * columns into part (when non-NULL), from the forward's score slopes si (or, when NULL, two dots). */
-FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                             const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
-                             const REAL *restrict si, REAL *restrict dsi, REAL *restrict dqi, double *restrict part,
-                             const SFX(taps_t) *tp, const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i,
-                             i64 lim, i64 nv, i64 C, REAL scale, const int NV) {
-    const i64 D = (i64)NV * FA_VL;
-    const i64 *ln, *tn;
-    SFX(row_tables)(&ln, &tn, L, tp, lim, D, tab);
-    SFX(vec) dlo[FA_MAXG], dhi[FA_MAXG], p[FA_MAXG], ds[FA_MAXG];
-    const int ng = (int)((nv + FA_VL - 1) / FA_VL);
+/* The middle of pass 1 for row i, from its dout . v dots dlo (first taps) and dhi (second taps) of ng
+ * groups: dS (times scale) to dsi, the dq coefficients to cf, and d/d frac of the two-tap columns into
+ * part (when non-NULL), from the forward's score slopes si (or, when NULL, two dots of qi with the
+ * rows at bi + ln). */
+FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REAL *restrict qi,
+                             const REAL *restrict bi, const i64 *restrict ln, const REAL *restrict oi,
+                             const REAL *restrict gi, const REAL *restrict pi, const REAL *restrict si,
+                             REAL *restrict dsi, REAL *restrict cf, double *restrict part, const SFX(lanes_t) *L,
+                             i64 nv, int ng, i64 C, REAL scale, const int NV) {
+    SFX(vec) p[FA_MAXG], ds[FA_MAXG];
     const REAL delta = SFX(vdot)(gi, oi, NV);
-    SFX(coldots)(dlo, dhi, L, gi, vb + i * D, ln, ng, NV);     /* dout . v per lane */
     SFX(colmix)(ds, dlo, dhi, L, ng);
     SFX(get_cols)(p, pi, L, C);
     for (int g = 0; g < ng; g++) ds[g] = p[g] * (ds[g] - delta);  /* dS = P (dP - delta); 0 where P is */
     for (int g = ng; g < L->G1; g++) ds[g] = p[g] - p[g];
     SFX(coefs)(cf, ds, L, scale);
-    SFX(gatherL)(dqi, kb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
     if (part) {  /* d/d frac of a two-tap column: scale dS q.(k_hi - k_lo) + P dout.(v_hi - v_lo) */
         for (int g = 0; g < ng; g++)
             if (L->hig[g] >= 0) {
                 const SFX(vec) dq = si ? SFX(vload_n)(si + g * FA_VL, C - g * FA_VL)
-                                       : SFX(dotv)(qi, kb + i * D, ln + L->hig[g] * FA_VL, NV) -
-                                         SFX(dotv)(qi, kb + i * D, ln + g * FA_VL, NV);
+                                       : SFX(dotv)(qi, bi, ln + L->hig[g] * FA_VL, NV) -
+                                         SFX(dotv)(qi, bi, ln + g * FA_VL, NV);
                 const SFX(vec) t = scale * ds[g] * dq + p[g] * (dhi[g] - dlo[g]);
                 for (int l = 0; l < FA_VL; l++)
                     if (L->two[g * FA_VL + l] && g * FA_VL + l < nv) part[g * FA_VL + l] += (double)t[l];
@@ -904,63 +1004,58 @@ FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, c
     SFX(put_cols)(dsi, ds, L, C);
 }
 
-/* Taps [t0, t0 + NJ) of one side of pass 2 over the key rows [m0, m1) (rows with nm < 0 skipped):
- * y[m] += sum_j w_j c[m + off_j, col_j] x[m + off_j]. Each tap's rows are read by its own load
- * instructions as a stream of consecutive rows (what the prefetchers follow), and a row's partial
- * sums stay in registers between one load and one store of y. */
-FA_INLINE void SFX(ktaps)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, const SFX(taps_t) *tp,
-                          const i64 *restrict cix, i64 t0, i64 m0, i64 m1, const i64 *restrict nm, i64 C,
-                          const int NJ, const int NV) {
+/* Pass 1 of the backward for row i in vectors (bwd_vmid, then dq). */
+FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
+                             const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
+                             const REAL *restrict si, REAL *restrict dsi, REAL *restrict dqi, double *restrict part,
+                             const SFX(taps_t) *tp, const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i,
+                             i64 lim, i64 nv, i64 C, REAL scale, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    enum { CH = 8 };
-    i64 xo[4], co[4];
-    REAL w[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; j++) xo[j] = tp->off[t0 + j] * D, co[j] = cix[t0 + j], w[j] = tp->w[t0 + j];
-    for (i64 m = m0; m < m1; m++) {
-        if (nm[m - m0] < 0) continue;
-        REAL *y = yb + m * D;
-        const REAL *x = xb + m * D, *cv = cb + m * C;
-        REAL ct[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < NJ; j++) ct[j] = tp->one ? cv[co[j]] : w[j] * cv[co[j]];
-        for (int c0 = 0; c0 < NV; c0 += CH) {
-            const int nc = NV - c0 < CH ? NV - c0 : CH;
-            SFX(vec) a[CH];
-#pragma GCC unroll 8
-            for (int c = 0; c < nc; c++) a[c] = VLD(y + (c0 + c) * FA_VL);
-#pragma GCC unroll 4
-            for (int j = 0; j < NJ; j++)
-#pragma GCC unroll 8
-                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xo[j] + (c0 + c) * FA_VL);
-#pragma GCC unroll 8
-            for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
-        }
+    const i64 *ln, *tn;
+    SFX(row_tables)(&ln, &tn, L, tp, lim, D, tab);
+    SFX(vec) dlo[FA_MAXG], dhi[FA_MAXG];
+    const int ng = (int)((nv + FA_VL - 1) / FA_VL);
+    SFX(coldots)(dlo, dhi, L, gi, vb + i * D, ln, ng, NV);     /* dout . v per lane */
+    SFX(bwd_vmid)(dlo, dhi, qi, kb + i * D, ln, oi, gi, pi, si, dsi, cf, part, L, nv, ng, C, scale, NV);
+    SFX(gatherL)(dqi, kb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
+}
+
+/* Rows [i0, i1) of one head's pass 1 when none of them reaches its document start, in fwd_vblock's
+ * order (rows at their offsets o in the head's q / out / dout and oc in P, G and dS). */
+FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
+                               const REAL *restrict oh, const REAL *restrict gh_, const REAL *restrict ph,
+                               const REAL *restrict sh, REAL *restrict dsh, REAL *restrict dqh, double *restrict part,
+                               const SFX(taps_t) *tp, const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1,
+                               i64 C, REAL scale, const int NV) {
+    const i64 D = (i64)NV * FA_VL;
+    REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
+    SFX(block_dots)(blk, L, gh_, vb, i0, i1, NV);             /* dout . v per lane */
+    for (i64 i = i0; i < i1; i++) {
+        const SFX(vec) *d = blk + (i - i0) * 2 * FA_MAXG;
+        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, L->noff, oh + i * D, gh_ + i * D, ph + i * C,
+                      sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, L->C1, L->G1, C,
+                      scale, NV);
     }
+    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, NV);
 }
 
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
  * taps each: those whose reader row m + off exists; -1 marks a row left to bwd_col):
  * dk += sum_t w dS[m + off, col] q[m + off], dv += sum_t w P[m + off, col] dout[m + off].
- * The taps every row has go four at a time (then the last one to three together) over all rows of
- * the tile (ktaps); cix[t] = off * C + col. */
+ * The taps every row has go four at a time over all rows of the tile (tapsums); cix[t] = off * C + col. */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
                               const SFX(taps_t) *tp, const i64 *restrict cix, i64 m0, i64 m1,
                               const i64 *restrict nm, i64 C, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    i64 nt = tp->n;
-    for (i64 m = m0; m < m1; m++) nt = nm[m - m0] >= 0 && nm[m - m0] < nt ? nm[m - m0] : nt;
+    i64 nt = -1, xo[2 * FA_MAXG * FA_VL];              /* the taps every row has (at most a row's lanes) */
+    for (i64 m = m0; m < m1; m++) nt = nm[m - m0] >= 0 && (nt < 0 || nm[m - m0] < nt) ? nm[m - m0] : nt;
+    nt = nt < 0 ? 0 : nt;
+    for (i64 t = 0; t < nt; t++) xo[t] = tp->off[t] * D;
     for (int side = 0; side < 2; side++) {
         REAL *yb = side ? dvb : dkb;
         const REAL *xb = side ? gh_ : qh, *cb = side ? ph : dsh;
-        i64 t0 = 0;
-        for (; t0 + 4 <= nt; t0 += 4) SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 4, NV);
-        switch (nt - t0) {
-        case 3: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 3, NV); break;
-        case 2: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 2, NV); break;
-        case 1: SFX(ktaps)(yb, xb, cb, tp, cix, t0, m0, m1, nm, C, 1, NV); break;
-        }
+        SFX(tapsums)(yb, xb, cb + m0 * C, C, xo, cix, tp->one ? NULL : tp->w, 0, nt, m0, m1, nm, NV);
         for (i64 m = m0; m < m1; m++)                  /* a row's further taps (near the end), one at a time */
             for (i64 t = nt; t < nm[m - m0]; t++) {
                 REAL *y = yb + m * D;
@@ -1041,7 +1136,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
     i64 *ends = dpos ? fa_doc_ends(dpos, B, T) : NULL;  /* where each row's document ends */
     /* d/d frac per (head, block), summed in a fixed order afterwards: bit-identical for any thread count */
     double *parts = dfrac ? calloc(B * Hk * nb * C + 1, sizeof(double)) : NULL;
-    i64 *cix = malloc(sizeof(i64) * (3 * C + 1));        /* tap t's index in P / dS from its reader row: off * C + col */
+    i64 *cix = malloc(sizeof(i64) * (3 * C + 1));        /* tap t's index in P / dS from its reader row */
     if ((dpos && !ends) || (dfrac && !parts) || !cix || SFX(taps_init)(&tp, C, lo, wlo, whi, two))
         return free(ends), free(parts), free(cix), 1;
     for (i64 t = 0; t < tp.n; t++) cix[t] = tp.off[t] * C + tp.col[t];
@@ -1062,11 +1157,16 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
                 double *part = parts ? parts + (bh * nb + blk) * C : NULL;
+                int open = nvx != 0;                    /* no row reaches its document start: bwd_vblock */
+                for (i64 i = i0; i < i1 && open; i++) open = (pb ? pb[i] : i) >= L.maxoff;
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C, op = h * PH;
                     i64 nv = 0;
-                    FA_WITH_NV(nvx, for (i64 i = i0; i < i1; i++) {
+                    FA_WITH_NV(nvx, if (NV && open) {
+                        SFX(bwd_vblock)(q + o, kb, vb, out + o, dout + o, P + op, G ? G + op : NULL, dS + oc, dq + o,
+                                        part, &tp, &L, ws.blk, i0, i1, C, scale, NV);
+                    } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
                         if (NV) {
