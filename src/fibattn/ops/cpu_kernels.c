@@ -25,10 +25,11 @@
  * Vector rows (issue 29; head size 2, 4, 8 or 16 SIMD vectors, fast != 0, see lanes_t): a row's
  * column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
- * sums over taps keep their accumulators in registers. Blocks of rows that see all their columns
- * (no row reaches its document start) go one lane group, then four taps, at a time over the block's
- * rows (fwd_vblock, bwd_vblock), as the backward's key-row pass (bwd_ktile) does for every block:
- * each tap's rows are then a stream of consecutive rows. d/d frac is summed per (head, block) and then
+ * sums over taps keep their accumulators in registers. A block of rows goes one lane group, then four
+ * taps, at a time over all its rows (fwd_vblock, bwd_vblock, and the backward's key-row pass
+ * bwd_ktile), so that each tap's rows are a stream of consecutive rows; rows near their document
+ * start read clamped rows for the columns they cannot see yet, with coefficient 0. d/d frac is
+ * summed per (head, block) and then
  * in a fixed order, so it is bit-identical for any thread count; its q . (k_hi - k_lo) comes from
  * the forward, which saves it next to P (the score slopes, G) for interpolated columns.
  */
@@ -618,79 +619,11 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
 
-/* Dots of x with the lane rows of a row (at bi + ln[lane], ln: L->noff or a clamped row's table),
- * the first ng column groups: dlo[g] the first taps, dhi[g] the second ones (groups with a hi group). */
-FA_INLINE void SFX(coldots)(SFX(vec) *dlo, SFX(vec) *dhi, const SFX(lanes_t) *L, const REAL *restrict x,
-                            const REAL *restrict bi, const i64 *restrict ln, int ng, const int NV) {
-    for (int g = 0; g < ng; g++) {
-        dlo[g] = SFX(dotv)(x, bi, ln + g * FA_VL, NV);
-        if (L->hig[g] >= 0) dhi[g] = SFX(dotv)(x, bi, ln + L->hig[g] * FA_VL, NV);
-    }
-}
-
 /* Column values wlo * dlo + whi * dhi (dlo alone in groups of single-tap columns). */
 FA_INLINE void SFX(colmix)(SFX(vec) *s, const SFX(vec) *dlo, const SFX(vec) *dhi, const SFX(lanes_t) *L, int ng) {
     for (int g = 0; g < ng; g++)
         if (L->hig[g] >= 0) s[g] = VLD(L->wlo + g * FA_VL) * dlo[g] + VLD(L->whi + g * FA_VL) * dhi[g];
         else s[g] = dlo[g];
-}
-
-/* Column scores of row i in vectors: x . (wlo k[i - lo] + whi k[i - lo - 1]) per lane. */
-FA_INLINE void SFX(colscores)(SFX(vec) *s, const SFX(lanes_t) *L, const REAL *restrict x, const REAL *restrict bi,
-                              const i64 *restrict ln, int ng, const int NV) {
-    SFX(vec) dhi[FA_MAXG];
-    SFX(coldots)(s, dhi, L, x, bi, ln, ng, NV);
-    SFX(colmix)(s, s, dhi, L, ng);
-}
-
-/* Vectors C0 .. C0 + NC of y = sum over taps t < n of cf[lane[t]] * bi[tn[t]] (C0, NC constants). */
-FA_INLINE void SFX(gather_part)(REAL *restrict y, const REAL *restrict bi, const i64 *restrict tn, i64 n,
-                                const i64 *restrict lane, const REAL *restrict cf, const int C0, const int NC) {
-    SFX(vec) a[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) a[c] = (SFX(vec)){0};
-    for (i64 t = 0; t < n; t++) {
-        const SFX(uvec) *r = (const SFX(uvec) *)(bi + tn[t]) + C0;
-        __asm__("" : "+r"(r));       /* opaque: one register, the vectors at fixed displacements */
-        const REAL ct = lane ? cf[lane[t]] : cf[t];
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; c++) a[c] += ct * r[c];
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; c++) VST(y + (C0 + c) * FA_VL, a[c]);
-}
-
-/* y = sum over taps t < n of cf[lane[t]] * bi[tn[t]] (tn: L->tnoff or a clamped row's table; cf[t]
- * when every column has one tap), in register blocks of at most 8 vectors: one function per head
- * size, kept out of line so that its loop has the registers to itself (inlined into a row, the
- * loop's pointers were reloaded from the stack on every tap). */
-#define FA_GATHER(N)                                                                                  \
-    static __attribute__((noinline)) void SFX(gather##N)(REAL *restrict y, const REAL *restrict bi,   \
-                                                         const i64 *restrict tn, i64 n,               \
-                                                         const i64 *restrict lane, const REAL *restrict cf) { \
-        if (lane) {                                                                                   \
-            SFX(gather_part)(y, bi, tn, n, lane, cf, 0, N < 8 ? N : 8);                               \
-            if (N > 8) SFX(gather_part)(y, bi, tn, n, lane, cf, 8, N > 8 ? N - 8 : 0);                \
-        } else {                                                                                      \
-            SFX(gather_part)(y, bi, tn, n, NULL, cf, 0, N < 8 ? N : 8);                               \
-            if (N > 8) SFX(gather_part)(y, bi, tn, n, NULL, cf, 8, N > 8 ? N - 8 : 0);                \
-        }                                                                                             \
-    }
-FA_GATHER(2)
-FA_GATHER(4)
-FA_GATHER(8)
-FA_GATHER(16)
-#undef FA_GATHER
-
-FA_INLINE void SFX(gatherL)(REAL *restrict y, const REAL *restrict bi, const i64 *restrict tn, i64 n,
-                            const SFX(lanes_t) *L, int one, const REAL *restrict cf, const int NV) {
-    const i64 *lane = one ? NULL : L->lane;
-    switch (NV) {
-    case 2: SFX(gather2)(y, bi, tn, n, lane, cf); break;
-    case 4: SFX(gather4)(y, bi, tn, n, lane, cf); break;
-    case 8: SFX(gather8)(y, bi, tn, n, lane, cf); break;
-    case 16: SFX(gather16)(y, bi, tn, n, lane, cf); break;
-    }
 }
 
 /* Store the column vectors to y[0..C) (their lanes past C1 hold 0), zeros past them. */
@@ -726,19 +659,10 @@ FA_INLINE void SFX(coefs)(REAL *restrict cf, const SFX(vec) *p, const SFX(lanes_
     }
 }
 
-/* The element offsets of row i's dot lanes (*ln) and taps (*tn): the shared ones, or, for a row
- * whose taps reach its document start (lim < largest offset), clamped ones written to tab. */
-FA_INLINE void SFX(row_tables)(const i64 **ln, const i64 **tn, const SFX(lanes_t) *L, const SFX(taps_t) *tp,
-                               i64 lim, i64 D, i64 *tab) {
-    *ln = L->noff, *tn = L->tnoff;
-    if (lim >= L->maxoff) return;
-    fa_row_offsets(tab, L->offr, L->nl, lim, D);
-    fa_row_offsets(tab + L->nl, tp->off, L->n1, lim, D);
-    *ln = tab, *tn = tab + L->nl;
-}
-
 /* The middle of a forward row, from its dots s (first taps) and dhi (second taps) of ng groups: the
- * score slopes to gi (or NULL), the probabilities to pi, their tap coefficients to cf. */
+ * probabilities to pi, their tap coefficients to cf, and (gi non-NULL) the score slopes q . (k_hi - k_lo)
+ * for the alpha gradient to gi, in the valid lanes of the column groups with a hi group (0 elsewhere:
+ * the saved state is an output of the op, so every value is defined). */
 FA_INLINE void SFX(fwd_vmid)(SFX(vec) *s, const SFX(vec) *dhi, REAL *restrict pi, REAL *restrict gi,
                              REAL *restrict cf, const SFX(lanes_t) *L, i64 nv, int ng, i64 C, REAL scale) {
     if (gi) {
@@ -754,31 +678,17 @@ FA_INLINE void SFX(fwd_vmid)(SFX(vec) *s, const SFX(vec) *dhi, REAL *restrict pi
     SFX(coefs)(cf, s, L, 1);
 }
 
-/* Row i of the forward with nv valid columns (a prefix); gi (or NULL): row i of the score slopes,
- * q . (k_hi - k_lo) for the alpha gradient, in the valid lanes of the column groups with a hi group
- * (0 elsewhere: the saved state is an output of the op, so every value is defined). */
-FA_INLINE void SFX(fwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                             REAL *restrict oi, REAL *restrict pi, REAL *restrict gi, const SFX(taps_t) *tp,
-                             const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i, i64 lim, i64 nv,
-                             i64 C, REAL scale, const int NV) {
-    const i64 D = (i64)NV * FA_VL;
-    const i64 *ln, *tn;
-    SFX(row_tables)(&ln, &tn, L, tp, lim, D, tab);
-    SFX(vec) s[FA_MAXG], dhi[FA_MAXG];
-    const int ng = (int)((nv + FA_VL - 1) / FA_VL);
-    SFX(coldots)(s, dhi, L, qi, kb + i * D, ln, ng, NV);
-    SFX(fwd_vmid)(s, dhi, pi, gi, cf, L, nv, ng, C, scale);
-    SFX(gatherL)(oi, vb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
-}
 
 /* Rows [m0, m1) (those with nm[m - m0] >= 0 when nm is given) of y += sum_j c_j(m) x[m + xo_j / D] over
  * NJ taps: x row element offsets xo[j]; coefficients c_j(m) = w[j] * cb[(m - m0) * cs + co[j]] (w NULL:
- * 1); init: y starts at 0 instead of its stored value. Each tap's rows are read by its own load
- * instructions as a stream of consecutive rows (what the prefetchers follow), and a row's partial sums
- * stay in registers between one load and one store of y. */
+ * 1); init: y starts at 0 instead of its stored value. With lims (each row's limit, see the top of this
+ * file), a tap of xo = -off * D reads row m - min(off, lim) instead: taps clamp at the document start.
+ * Each tap's rows are read by its own load instructions as a stream of consecutive rows (what the
+ * prefetchers follow), and a row's partial sums stay in registers between one load and one store of y. */
 FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
                            const i64 *restrict xo_, const i64 *restrict co_, const REAL *restrict w_, int init,
-                           i64 m0, i64 m1, const i64 *restrict nm, const int NJ, const int NV) {
+                           i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NJ,
+                           const int NV) {
     const i64 D = (i64)NV * FA_VL;
     enum { CH = 8 };
     i64 xo[4], co[4];
@@ -789,6 +699,9 @@ FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REA
         if (nm && nm[m - m0] < 0) continue;
         REAL *y = yb + m * D;
         const REAL *x = xb + m * D, *cv = cb + (m - m0) * cs;
+        i64 xc[4];                                   /* this row's tap offsets */
+#pragma GCC unroll 4
+        for (int j = 0; j < NJ; j++) xc[j] = lims ? -fa_min(-xo[j], lims[m - m0] * D) : xo[j];
         REAL ct[4];
 #pragma GCC unroll 4
         for (int j = 0; j < NJ; j++) ct[j] = w_ ? w[j] * cv[co[j]] : cv[co[j]];
@@ -800,7 +713,7 @@ FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REA
 #pragma GCC unroll 4
             for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
-                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xo[j] + (c0 + c) * FA_VL);
+                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xc[j] + (c0 + c) * FA_VL);
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
         }
@@ -811,11 +724,11 @@ FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REA
  * coefficient index co[t], weight w[t]; the first group initialises y when init). */
 FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
                             const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
-                            i64 m0, i64 m1, const i64 *restrict nm, const int NV) {
+                            i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NV) {
     i64 t0 = 0;
     for (; t0 + 4 <= n; t0 += 4, init = 0)
-        SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, 4, NV);
-#define FA_REST(j) SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, j, NV)
+        SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, lims, 4, NV);
+#define FA_REST(j) SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, lims, j, NV)
     switch (n - t0) {
     case 3: FA_REST(3); break;
     case 2: FA_REST(2); break;
@@ -824,39 +737,62 @@ FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const RE
 #undef FA_REST
 }
 
-/* The dots of rows [i0, i1) of x with their lane rows of base (the shared offsets), one lane group at
- * a time over all the rows: row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap
- * groups FA_MAXG further. */
+/* The dots of rows [i0, i1) of x with their lane rows of base, one lane group at a time over all the
+ * rows: row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap groups FA_MAXG further.
+ * lims (or NULL: no row reaches its document start): the rows' limits; a row whose taps reach its
+ * document start reads clamped rows (the group's offsets, clamped four at a time). */
 FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, const REAL *restrict x,
-                               const REAL *restrict base, i64 i0, i64 i1, const int NV) {
+                               const REAL *restrict base, i64 i0, i64 i1, const i64 *restrict lims, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     for (int g = 0; g < L->G1; g++)
         for (int hi = 0; hi < 2; hi++) {
             if (hi && L->hig[g] < 0) continue;
-            const i64 *ln = L->noff + (hi ? L->hig[g] : g) * FA_VL;
+            const i64 lane = (hi ? L->hig[g] : g) * FA_VL;
             SFX(vec) *d = blk + hi * FA_MAXG + g;
-            for (i64 m = i0; m < i1; m++) d[(m - i0) * 2 * FA_MAXG] = SFX(dotv)(x + m * D, base + m * D, ln, NV);
+            for (i64 m = i0; m < i1; m++) {
+                const i64 *ln = L->noff + lane;
+                i64 tab[FA_VL];
+                if (lims && lims[m - i0] < L->maxoff)
+                    fa_row_offsets(tab, L->offr + lane, FA_VL, lims[m - i0], D), ln = tab;
+                d[(m - i0) * 2 * FA_MAXG] = SFX(dotv)(x + m * D, base + m * D, ln, NV);
+            }
         }
 }
 
-/* Rows [i0, i1) of one head's forward when none of them reaches its document start (all C1 columns
- * valid, the shared offsets): the same results as fwd_vrow row by row, in another order. The dots go
- * one lane group at a time over all the rows and the weighted sums four taps at a time, so each tap's
- * rows are read by its own load instructions as a stream of consecutive rows (what the prefetchers
- * follow; row by row, each of ~46 rows a query reads was a separate jump). ws->blk holds the block's
- * dots and coefficients. */
+/* The limits (lims) and valid column counts (nvs) of rows [i0, i1) (pb: the positions in their
+ * documents, or NULL); returns whether some row reaches its document start. */
+FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, const int32_t *pb, const SFX(lanes_t) *L,
+                              i64 i0, i64 i1, i64 C, const i64 *lo) {
+    int clamped = 0;
+    for (i64 i = i0, nv = 0; i < i1; i++) {
+        lims[i - i0] = pb ? pb[i] : i;
+        nvs[i - i0] = nv = SFX(nvalid)(nv, lims[i - i0], C, lo);
+        clamped |= lims[i - i0] < L->maxoff;
+    }
+    return clamped;
+}
+
+/* Rows [i0, i1) of one head's forward (pb: positions in documents, or NULL). The dots go one lane
+ * group at a time over all the rows and the weighted sums four taps at a time, so each tap's rows are
+ * read by its own load instructions as a stream of consecutive rows (what the prefetchers follow;
+ * row by row, each of the ~46 rows a query reads was a separate jump). Every row takes all C1
+ * columns' taps: those of invalid columns have coefficient 0 and read clamped rows. ws->blk holds the
+ * block's dots and coefficients. */
 FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
-                               REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const SFX(taps_t) *tp,
-                               const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, REAL scale,
-                               const int NV) {
-    const i64 M = i1 - i0, nv = L->C1;
-    const int G1 = L->G1;
+                               REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const int32_t *pb,
+                               const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, const i64 *lo,
+                               REAL scale, const int NV) {
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
-    SFX(block_dots)(blk, L, qh, kb, i0, i1, NV);
-    for (i64 m = 0; m < M; m++)
-        SFX(fwd_vmid)(blk + m * 2 * FA_MAXG, blk + m * 2 * FA_MAXG + FA_MAXG, ph + (i0 + m) * C,
-                      gh ? gh + (i0 + m) * C : NULL, cb + m * FA_MAXG * FA_VL, L, nv, G1, C, scale);
-    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, NV);
+    i64 lims[FA_BLOCK], nvs[FA_BLOCK];
+    const i64 *cl = SFX(block_rows)(lims, nvs, pb, L, i0, i1, C, lo) ? lims : NULL;
+    SFX(block_dots)(blk, L, qh, kb, i0, i1, cl, NV);
+    for (i64 i = i0; i < i1; i++) {
+        const i64 nv = nvs[i - i0];
+        SFX(fwd_vmid)(blk + (i - i0) * 2 * FA_MAXG, blk + (i - i0) * 2 * FA_MAXG + FA_MAXG, ph + i * C,
+                      gh ? gh + i * C : NULL, cb + (i - i0) * FA_MAXG * FA_VL, L, nv, (int)((nv + FA_VL - 1) / FA_VL),
+                      C, scale);
+    }
+    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
 }
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
@@ -866,7 +802,7 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     for (i64 t = 0; t < n; t++) ws->row[t] = i - fa_min(tp->off[t], lim);
     SFX(dots)(qi, kb, ws->row, n, D, ws->d);
     if (gi) SFX(zero)(gi, C);
-    for (i64 t = 0; gi && t + 1 < n; t++)              /* score slopes, as in fwd_vrow */
+    for (i64 t = 0; gi && t + 1 < n; t++)              /* score slopes, as in fwd_vmid */
         if (tp->col[t + 1] == tp->col[t]) gi[tp->col[t]] = ws->d[t + 1] - ws->d[t], t++;
     REAL *s = tp->one ? ws->d : ws->s;                  /* scores per column */
     if (!tp->one) {
@@ -902,7 +838,7 @@ static int SFX(fixed_nv)(i64 D, int fast) {
     }
 
 /* out = softmax(scale * q.k_cols) . v_cols;  P keeps the probabilities and G (or NULL) the score slopes
- * (see fwd_vrow; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
+ * (see fwd_vmid; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
  * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C. */
 /* The fused kernels split (head, block) statically: each thread streams whole heads (contiguous
  * chunks), which keeps a head's rows in its own caches (measured 10-15 % faster at 16K than
@@ -928,23 +864,16 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                 const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
                 const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
-                int open = nvx != 0;                    /* no row reaches its document start: fwd_vblock */
-                for (i64 i = i0; i < i1 && open; i++) open = (pb ? pb[i] : i) >= L.maxoff;
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
                     REAL *oh = out + h * T * D, *ph = P + h * PH, *gh = G ? G + h * PH : NULL;
                     i64 nv = 0;
-                    FA_WITH_NV(nvx, if (NV && open) {
-                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, &tp, &L, ws.blk, i0, i1, C, scale, NV);
+                    FA_WITH_NV(nvx, if (NV) {
+                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, NV);
                     } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
-                        if (NV) {
-                            SFX(fwd_vrow)(qh + i * D, kb, vb, oh + i * D, ph + i * C, gh ? gh + i * C : NULL, &tp, &L,
-                                          ws.cf, ws.tab, i, lim, nv, C, scale, NV);
-                            continue;
-                        }
                         SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, gh ? gh + i * C : NULL, &tp, &ws, i,
                                      lim, nv, D, C, scale);
                     })
@@ -1004,39 +933,29 @@ FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REA
     SFX(put_cols)(dsi, ds, L, C);
 }
 
-/* Pass 1 of the backward for row i in vectors (bwd_vmid, then dq). */
-FA_INLINE void SFX(bwd_vrow)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
-                             const REAL *restrict oi, const REAL *restrict gi, const REAL *restrict pi,
-                             const REAL *restrict si, REAL *restrict dsi, REAL *restrict dqi, double *restrict part,
-                             const SFX(taps_t) *tp, const SFX(lanes_t) *L, REAL *restrict cf, i64 *restrict tab, i64 i,
-                             i64 lim, i64 nv, i64 C, REAL scale, const int NV) {
-    const i64 D = (i64)NV * FA_VL;
-    const i64 *ln, *tn;
-    SFX(row_tables)(&ln, &tn, L, tp, lim, D, tab);
-    SFX(vec) dlo[FA_MAXG], dhi[FA_MAXG];
-    const int ng = (int)((nv + FA_VL - 1) / FA_VL);
-    SFX(coldots)(dlo, dhi, L, gi, vb + i * D, ln, ng, NV);     /* dout . v per lane */
-    SFX(bwd_vmid)(dlo, dhi, qi, kb + i * D, ln, oi, gi, pi, si, dsi, cf, part, L, nv, ng, C, scale, NV);
-    SFX(gatherL)(dqi, kb + i * D, tn, tp->end[nv - 1], L, tp->one, cf, NV);
-}
 
-/* Rows [i0, i1) of one head's pass 1 when none of them reaches its document start, in fwd_vblock's
- * order (rows at their offsets o in the head's q / out / dout and oc in P, G and dS). */
+/* Rows [i0, i1) of one head's pass 1, in fwd_vblock's order (q, out, dout: the head's rows; P, G, dS
+ * likewise; tab: room for a row's clamped offsets, for the alpha gradient's dots without slopes). */
 FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
                                const REAL *restrict oh, const REAL *restrict gh_, const REAL *restrict ph,
                                const REAL *restrict sh, REAL *restrict dsh, REAL *restrict dqh, double *restrict part,
-                               const SFX(taps_t) *tp, const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1,
-                               i64 C, REAL scale, const int NV) {
+                               const int32_t *pb, const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 *restrict tab,
+                               i64 i0, i64 i1, i64 C, const i64 *lo, REAL scale, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
-    SFX(block_dots)(blk, L, gh_, vb, i0, i1, NV);             /* dout . v per lane */
+    i64 lims[FA_BLOCK], nvs[FA_BLOCK];
+    const i64 *cl = SFX(block_rows)(lims, nvs, pb, L, i0, i1, C, lo) ? lims : NULL;
+    SFX(block_dots)(blk, L, gh_, vb, i0, i1, cl, NV);         /* dout . v per lane */
     for (i64 i = i0; i < i1; i++) {
         const SFX(vec) *d = blk + (i - i0) * 2 * FA_MAXG;
-        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, L->noff, oh + i * D, gh_ + i * D, ph + i * C,
-                      sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, L->C1, L->G1, C,
-                      scale, NV);
+        const i64 nv = nvs[i - i0], lim = lims[i - i0];
+        const i64 *ln = L->noff;
+        if (part && !sh && lim < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lim, D), ln = tab;
+        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, ln, oh + i * D, gh_ + i * D, ph + i * C,
+                      sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
+                      (int)((nv + FA_VL - 1) / FA_VL), C, scale, NV);
     }
-    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, NV);
+    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
 }
 
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
@@ -1055,7 +974,7 @@ FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL
     for (int side = 0; side < 2; side++) {
         REAL *yb = side ? dvb : dkb;
         const REAL *xb = side ? gh_ : qh, *cb = side ? ph : dsh;
-        SFX(tapsums)(yb, xb, cb + m0 * C, C, xo, cix, tp->one ? NULL : tp->w, 0, nt, m0, m1, nm, NV);
+        SFX(tapsums)(yb, xb, cb + m0 * C, C, xo, cix, tp->one ? NULL : tp->w, 0, nt, m0, m1, nm, NULL, NV);
         for (i64 m = m0; m < m1; m++)                  /* a row's further taps (near the end), one at a time */
             for (i64 t = nt; t < nm[m - m0]; t++) {
                 REAL *y = yb + m * D;
@@ -1157,24 +1076,16 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
                 const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
                 double *part = parts ? parts + (bh * nb + blk) * C : NULL;
-                int open = nvx != 0;                    /* no row reaches its document start: bwd_vblock */
-                for (i64 i = i0; i < i1 && open; i++) open = (pb ? pb[i] : i) >= L.maxoff;
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const i64 o = h * T * D, oc = h * T * C, op = h * PH;
                     i64 nv = 0;
-                    FA_WITH_NV(nvx, if (NV && open) {
+                    FA_WITH_NV(nvx, if (NV) {
                         SFX(bwd_vblock)(q + o, kb, vb, out + o, dout + o, P + op, G ? G + op : NULL, dS + oc, dq + o,
-                                        part, &tp, &L, ws.blk, i0, i1, C, scale, NV);
+                                        part, pb, &L, ws.blk, ws.tab, i0, i1, C, lo, scale, NV);
                     } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
-                        if (NV) {
-                            SFX(bwd_vrow)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + op + i * C,
-                                          G ? G + op + i * C : NULL, dS + oc + i * C, dq + o + i * D, part, &tp, &L,
-                                          ws.cf, ws.tab, i, lim, nv, C, scale, NV);
-                            continue;
-                        }
                         SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + op + i * C,
                                      dS + oc + i * C, dq + o + i * D, part, &tp, &ws, i, lim, nv, D, C, scale);
                     })
