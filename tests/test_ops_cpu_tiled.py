@@ -2,6 +2,8 @@
 lengths, grouped heads and packed documents, outputs and gradients of q, k, v and alpha; the alpha
 gradient bit-identical for any thread count; more columns than the lanes hold (the generic rows
 then); the backward's scratch kept between calls of any size; the generic rows kept selectable."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -156,6 +158,10 @@ def test_interpolated_saved_state_holds_the_score_slopes():
     want = _mixed(q, k, v, dout, cols, "tiled", "tiled")
     for kinds in (("rows", "tiled"), ("tiled", "rows")):
         close(_mixed(q, k, v, dout, cols, *kinds), want, rtol=1e-5, atol=1e-5)
+    unsaved = dataclasses.replace(cols, interpolated=False)      # no slopes saved: the backward's own dots
+    close(_mixed(q, k, v, dout, unsaved, "tiled", "tiled"), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UsageError, match=r"the saved state must have shape \(1, 2, 180, 16\) or \(1, 2, 360, 16\)"):
+        cpu_backend.attn_backward(q, k, v, out, aux[:, :, :179], dout, cols, 0.3)
 
 
 def test_large_outputs_ask_for_huge_pages_within_their_own_memory(monkeypatch):

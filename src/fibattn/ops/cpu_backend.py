@@ -253,8 +253,12 @@ def aux_shape(q: torch.Tensor, count: int, interpolated: bool) -> tuple[int, ...
     return (B, H, 2 * T if interpolated else T, count)
 
 
-def _split(aux: torch.Tensor, T: int) -> tuple:
+def _split(aux: torch.Tensor, q: torch.Tensor, C: int) -> tuple:
     """``(P, G or None, head stride)`` pointers of a contiguous saved state for the kernels."""
+    T = q.shape[2]
+    if aux.dim() != 4 or tuple(aux.shape) not in (aux_shape(q, C, False), aux_shape(q, C, True)):
+        raise UsageError(f"the saved state must have shape {aux_shape(q, C, False)} or {aux_shape(q, C, True)}, "
+                         f"got {tuple(aux.shape)}")
     G = _ptr(aux[:, :, T:].data_ptr()) if aux.shape[2] == 2 * T else None
     return _ptr(aux.data_ptr()), G, _i64(aux.shape[2] * aux.shape[3])
 
@@ -270,7 +274,7 @@ def attn_forward(q, k, v, cols, scale: float, off=None, into=None):
     C = len(cols.lo)
     out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)))
     if aux.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *_split(aux, q.shape[2]), *_dims(q, k), _i64(C),
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *_split(aux, q, C), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
@@ -290,7 +294,7 @@ def attn_backward(q, k, v, out, aux, dout, cols, scale: float, need_dfrac: bool 
     dS = _scratch_like(q, B, H, T, C)
     dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
     if aux.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout)), *_split(aux, q.shape[2]),
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout)), *_split(aux, q, C),
                     *(_ptr(x.data_ptr()) for x in (dS, dq, dk, dv)),
                     _pointer(dfrac), *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
