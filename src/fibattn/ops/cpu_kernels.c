@@ -343,15 +343,15 @@ FA_INLINE SFX(vec) SFX(dotv)(const REAL *restrict x, const REAL *restrict bi, co
 
 /* Per-thread scratch: tap lists (row, column, weight) and per-tap / per-column values. */
 typedef struct {
-    i64 *row, *col, *tab;        /* tab: a vector row's clamped offsets (3 * FA_MAXG * FA_VL) */
+    i64 *row, *col, *tab;        /* tab: a vector row's clamped dot-lane offsets (FA_MAXG * FA_VL) */
     REAL *w, *d, *d2, *cf, *cf2, *s;
     SFX(vec) *blk;               /* a block of vector rows: FA_BLOCK rows of 2 * FA_MAXG vectors, then their
                                   * coefficients (FA_MAXG * FA_VL each) */
 } SFX(ws_t);
 
 static int SFX(ws_init)(SFX(ws_t) *ws, i64 C) {
-    const i64 n = 3 * C + 4 + FA_MAXG * FA_VL;       /* cf also holds the lanes of the vector rows */
-    ws->row = malloc(sizeof(i64) * (2 * n + 3 * FA_MAXG * FA_VL));
+    const i64 n = 3 * C + 4;
+    ws->row = malloc(sizeof(i64) * (2 * n + FA_MAXG * FA_VL));
     ws->w = malloc(sizeof(REAL) * 6 * n);
     ws->blk = aligned_alloc(64, sizeof(SFX(vec)) * FA_BLOCK * 3 * FA_MAXG);
     if (!ws->row || !ws->w || !ws->blk) {
