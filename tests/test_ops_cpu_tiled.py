@@ -9,7 +9,7 @@ import torch
 
 import fibattn
 from fibattn.checks import UsageError
-from fibattn.ops import cpu_backend, host_pages
+from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.schedules import attended_distances
 
@@ -162,37 +162,6 @@ def test_interpolated_saved_state_holds_the_score_slopes():
     close(_mixed(q, k, v, dout, unsaved, "tiled", "tiled"), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(UsageError, match=r"the saved state must have shape \(1, 2, 180, 16\) or \(1, 2, 360, 16\)"):
         cpu_backend.attn_backward(q, k, v, out, aux[:, :, :179], dout, cols, 0.3)
-
-
-def test_large_outputs_ask_for_huge_pages_within_their_own_memory(monkeypatch):
-    """The advice covers the 2 MiB-aligned part of the tensor and nothing outside it; small tensors get none."""
-    calls = []
-    monkeypatch.setattr(host_pages, "_madvise", lambda: lambda start, length, advice: calls.append(
-        (start, length, advice)) or 0)
-    q = torch.zeros(2)
-    big = host_pages.huge_empty(q, 3, 1 << 20)                # 12 MiB
-    (start, length, advice), = calls
-    assert advice == 14 and start % (2 << 20) == 0 and length % (2 << 20) == 0 and length >= 8 << 20
-    assert big.data_ptr() <= start and start + length <= big.data_ptr() + big.numel() * 4
-    assert big.shape == (3, 1 << 20) and big.dtype == q.dtype
-    host_pages.huge_empty(q, 1000)
-    assert len(calls) == 1
-
-
-def test_strided_inputs_are_copied_onto_huge_pages(monkeypatch):
-    """A transposed input (the model's v, the gradient through a transpose) is made contiguous in memory
-    advised onto huge pages; the op's results are those of a plain contiguous copy."""
-    calls = []
-    advise = host_pages._madvise()
-    monkeypatch.setattr(host_pages, "_madvise", lambda: lambda *a: calls.append(a) or (advise(*a) if advise else 0))
-    q, k, v, dout = make(B=1, H=8, Hkv=8, T=1200, Dh=128, seed=4)          # 4.9 MB each
-    vt = v.transpose(1, 2).contiguous().transpose(1, 2)                     # strided, same values
-    cols = host_columns(ColumnSpec((0, 1, 2, 3, 50, 700)), None, 1200)
-    want, _ = cpu_backend.attn_forward(q, k, v, cols, 0.3)
-    assert len(calls) == 1                       # out (P is under 4 MiB)
-    got, _ = cpu_backend.attn_forward(q, k, vt, cols, 0.3)
-    assert len(calls) == 3                       # and now v's copy
-    close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("docs", [None, (341, 1, 250)])     # a block starts 42 rows into a document

@@ -12,8 +12,9 @@ concurrent processes never load a half-written library. Threads: ``torch.get_num
 Head sizes of 2, 4, 8 or 16 SIMD vectors (fp32 Dh 16-128 with AVX2) run vector rows (a row's
 columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns than 16 vectors of lanes, or
 ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
-Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages
-(``host_pages``); an interpolated forward saves its score slopes next to ``P`` (:func:`aux_shape`).
+Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
+their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); an interpolated
+forward saves its score slopes next to ``P`` (:func:`aux_shape`).
 The library needs ``libgomp.so.1``; loaded after torch it binds to the copy torch already
 loaded, so the kernels and torch share one OpenMP runtime.
 """

@@ -703,8 +703,9 @@ FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REA
 #pragma GCC unroll 4
         for (int j = 0; j < NJ; j++) xc[j] = lims ? -fa_min(-xo[j], lims[m - m0] * D) : xo[j];
         REAL ct[4];
+        const REAL *xr[4];                           /* the tap rows: one base, fixed offsets (no lea per load) */
 #pragma GCC unroll 4
-        for (int j = 0; j < NJ; j++) ct[j] = w_ ? w[j] * cv[co[j]] : cv[co[j]];
+        for (int j = 0; j < NJ; j++) ct[j] = w_ ? w[j] * cv[co[j]] : cv[co[j]], xr[j] = x + xc[j];
         for (int c0 = 0; c0 < NV; c0 += CH) {
             const int nc = NV - c0 < CH ? NV - c0 : CH;
             SFX(vec) a[CH];
@@ -713,7 +714,7 @@ FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REA
 #pragma GCC unroll 4
             for (int j = 0; j < NJ; j++)
 #pragma GCC unroll 8
-                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(x + xc[j] + (c0 + c) * FA_VL);
+                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(xr[j] + (c0 + c) * FA_VL);
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
         }
