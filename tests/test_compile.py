@@ -37,6 +37,33 @@ def test_opcheck(backend, packed):
         assert set(res.values()) == {"SUCCESS"}, res
 
 
+# Each kernel set's saved state (aux) for q (2, 4, 33, 8) at custom_ops.SAVED_STATE_VERSION: an op's
+# name carries the version, so a compiled graph cached on disk under another layout is never reused.
+SAVED_STATES = {2: {("torch", False): (2, 4, 33, 5), ("torch", True): (2, 4, 33, 10),
+                    ("cpu", False): (2, 4, 33, 5), ("cpu", True): (2, 4, 66, 10),
+                    ("triton", False): (2, 4, 33), ("triton", True): (2, 4, 33)}}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+def test_saved_state_layouts_are_those_of_the_ops_version(backend):
+    """A changed ``aux`` layout fails here until SAVED_STATE_VERSION (and so every op's name) changes:
+    torch.compile keys its on-disk cache by the graph's code, not by the ops' fake implementations."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from fibattn.ops.backends import kernels
+    from fibattn.ops.columns import ColumnSpec
+    q = torch.zeros(2, 4, 33, 8)
+    specs = {False: ColumnSpec((0, 1, 2, 5, 40)), True: ColumnSpec(None, 3, (1, 2, 3, 5, 8, 13), None)}
+    pinned = SAVED_STATES.get(custom_ops.SAVED_STATE_VERSION)
+    assert pinned is not None, f"pin the saved states of version {custom_ops.SAVED_STATE_VERSION} here"
+    for interpolated, spec in specs.items():
+        got = tuple(kernels(backend).aux_like(q, spec).shape)
+        assert got == pinned[backend, interpolated], (
+            f"{backend}'s saved state changed to {got}: bump custom_ops.SAVED_STATE_VERSION and pin it here")
+    assert str(custom_ops.sparse_op._name).endswith(f"_v{custom_ops.SAVED_STATE_VERSION}")
+    assert str(custom_ops.interpolated_backward_op._name).endswith(f"_v{custom_ops.SAVED_STATE_VERSION}")
+
+
 def _tiny(schedule, backend="auto"):
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32, window=4,
                       schedule=schedule, backend=backend)

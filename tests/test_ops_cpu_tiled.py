@@ -11,6 +11,7 @@ import fibattn
 from fibattn.checks import UsageError
 from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
+from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
 from op_helpers import close, make, run
@@ -73,13 +74,13 @@ def test_tiled_rows_match_reference_long_packed(Dh):
     torch.testing.assert_close(gf[4].double(), wf[4], rtol=1e-4, atol=1e-4 * max(wf[4].abs().item(), 1.0))
 
 
-def _kernels(q, k, v, dout, cols, kind, threads):
+def _kernels(q, k, v, dout, cols, kind, threads, off=None):
     before, cpu_backend.kernel = cpu_backend.kernel, kind
     nt = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3)
-        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True))
+        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
+        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True, off=off))
     finally:
         torch.set_num_threads(nt)
         cpu_backend.kernel = before
@@ -94,6 +95,26 @@ def test_alpha_gradient_is_bit_identical_for_any_thread_count(kind):
     for threads in (2, 3):
         many = _kernels(q, k, v, dout, cols, kind, threads)
         for a, b in zip(one, many):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["tiled", "rows"])
+def test_both_backward_schedules_give_the_same_bits(kind):
+    """With at least as many head groups as threads, a thread runs pass 2 of a block right after pass 1
+    of the blocks that read it (cpu_kernels.c, fa_attn_bwd); otherwise pass 1 runs everywhere first.
+    Grouped heads, packed documents (rows clamped at a document start, rows whose readers end with
+    their document) and a sequence whose last block is short: the same bits either way."""
+    q, k, v, dout = make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=12)
+    cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
+    off = offsets_unchecked(torch.cat([_docs(1, 333, (70, 1, 190)), _docs(1, 333, (333,))]))
+    _kernels(q, k, v, dout, cols, kind, 1, off)                   # sizes the dS scratch; then poison it
+    runs = {}
+    for threads in (2, 5, 1):                                     # 4 head groups: streamed, two passes, streamed
+        for buf in cpu_backend._scratch.bufs.values():            # a dS read before it is written shows
+            buf.fill_(float("nan"))
+        runs[threads] = _kernels(q, k, v, dout, cols, kind, threads, off)
+    for threads in (5, 1):
+        for a, b in zip(runs[2], runs[threads]):
             assert torch.equal(a, b)
 
 

@@ -74,14 +74,15 @@ MUTATIONS = [
              "    scale = 1.0 / math.sqrt(Dh)\n", "    scale = 1.0 / Dh\n", ("tests/test_generate.py",)),
     # ---------------------------------------------------------------- grouped heads
     Mutation("c-dkdv-one-head", "GQA reduction", C,
-             "                for (i64 gh = 0; gh < g; gh++) {\n"
-             "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
-             "                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;\n"
-             "                    FA_WITH_NV(nvx, if (NV) {\n",
-             "                for (i64 gh = 0; gh < 1; gh++) {\n"
-             "                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;\n"
-             "                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;\n"
-             "                    FA_WITH_NV(nvx, if (NV) {\n", ("tests/test_ops.py", "-k", "cpu")),
+             "    for (i64 gh = 0; gh < g; gh++) {\n"
+             "        const i64 h = (bh / Hk) * a->H + (bh % Hk) * g + gh;\n"
+             "        const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;\n"
+             "        const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh",
+             "    for (i64 gh = 0; gh < 1; gh++) {\n"
+             "        const i64 h = (bh / Hk) * a->H + (bh % Hk) * g + gh;\n"
+             "        const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;\n"
+             "        const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh",
+             ("tests/test_ops.py", "-k", "cpu")),
     Mutation("triton-dkdv-one-head", "GQA reduction", TK,
              "    gm_ok = (rq // BLOCK_M) < GROUP\n", "    gm_ok = (rq // BLOCK_M) < 1\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),
@@ -90,7 +91,7 @@ MUTATIONS = [
              "        const SFX(vec) xc = VLD(x + c * FA_VL);\n", "        const SFX(vec) xc = VLD(x);\n",
              ("tests/test_ops.py", "-k", "production")),
     Mutation("c-block-drops-last-row", "kernel bounds", C,
-             "while (n && m + tp.off[n - 1] >= end) n--;", "while (n && m + tp.off[n - 1] >= end - 1) n--;",
+             "while (n && m + tp->off[n - 1] >= end) n--;", "while (n && m + tp->off[n - 1] >= end - 1) n--;",
              ("tests/test_ops.py", "-k", "production")),
     Mutation("c-lanes-one-column-too-many", "kernel bounds", C,
              "ok[g] = VLD(L->idx + g * FA_VL) < fnv;", "ok[g] = VLD(L->idx + g * FA_VL) <= fnv;",
@@ -111,6 +112,9 @@ MUTATIONS = [
     Mutation("pool-reuses-live-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
              "weakref.finalize(view, _pool.give, region).atexit = False", "_pool.give(region)",
              ("tests/test_host_pages.py",)),
+    Mutation("c-bwd-lag-one-block-short", "kernel bounds", C,
+             "lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;", "lag = maxoff / FA_BLOCK;",
+             ("tests/test_ops_cpu_tiled.py", "-k", "schedules")),
     Mutation("c-tapsums-last-tap-dropped", "kernel bounds", C,
              "    case 3: FA_REST(3); break;", "    case 3: FA_REST(2); break;", ("tests/test_ops_cpu_tiled.py",)),
     Mutation("c-vblock-dots-one-row", "kernel offsets", C,
@@ -121,8 +125,8 @@ MUTATIONS = [
              "if (lims && lims[m - i0] < L->maxoff)\n", "if (lims && lims[m - i0] < L->maxoff - 8)\n",
              ("tests/test_ops_cpu_tiled.py", "-k", "streamed")),
     Mutation("c-vblock-drops-dfrac", "kernel offsets", C,
-             "dq + o,\n                                        part, pb, &L, ws.blk,",
-             "dq + o,\n                                        NULL, pb, &L, ws.blk,", ("tests/test_ops_cpu_tiled.py",)),
+             "dsh, dqh, part, pb, a->L, ws->blk,", "dsh, dqh, NULL, pb, a->L, ws->blk,",
+             ("tests/test_ops_cpu_tiled.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),

@@ -1042,15 +1042,98 @@ FA_INLINE void SFX(bwd_col)(REAL *restrict dkm, REAL *restrict dvm, const REAL *
     SFX(gather)(dkm, qh, ws->row, ws->cf, n, D), SFX(gather)(dvm, gh_, ws->row, ws->cf2, n, D);
 }
 
+/* What every block of the backward reads: fa_attn_bwd's arguments and tables. */
+typedef struct {
+    const REAL *q, *k, *v, *out, *dout, *P, *G, *whi;
+    REAL *dS, *dq, *dk, *dv;
+    double *parts;               /* d/d frac per (head group, block), or NULL */
+    const int32_t *dpos;
+    const i64 *ends, *lo, *cix;  /* where each row's document ends (or NULL); tap t's index in P / dS */
+    const int *two;
+    const SFX(taps_t) *tp;
+    const SFX(lanes_t) *L;
+    i64 PH, H, Hk, T, D, C, nb;
+    REAL scale;
+    int nvx;                     /* vector rows' NV, or 0: the generic rows */
+} SFX(bwd_t);
+
+/* Pass 1 of block blk of key/value head bh, by query row: dS and dq of its query heads' rows. */
+static void SFX(bwd_pass1)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) {
+    const i64 T = a->T, D = a->D, C = a->C, Hk = a->Hk, g = a->H / Hk;
+    const REAL *kb = a->k + bh * T * D, *vb = a->v + bh * T * D;
+    const int32_t *pb = a->dpos ? a->dpos + (bh / Hk) * T : NULL;
+    const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+    double *part = a->parts ? a->parts + (bh * a->nb + blk) * C : NULL;
+    for (i64 gh = 0; gh < g; gh++) {
+        const i64 h = (bh / Hk) * a->H + (bh % Hk) * g + gh;
+        const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;
+        const REAL *qh = a->q + o, *oh = a->out + o, *gh_ = a->dout + o, *ph = a->P + op;
+        REAL *dsh = a->dS + oc, *dqh = a->dq + o;
+        i64 nv = 0;
+        FA_WITH_NV(a->nvx, if (NV) {
+            SFX(bwd_vblock)(qh, kb, vb, oh, gh_, ph, a->G ? a->G + op : NULL, dsh, dqh, part, pb, a->L, ws->blk,
+                            ws->tab, i0, i1, C, a->lo, a->scale, NV);
+        } else for (i64 i = i0; i < i1; i++) {
+            const i64 lim = pb ? pb[i] : i;
+            nv = SFX(nvalid)(nv, lim, C, a->lo);
+            SFX(bwd_row)(qh + i * D, kb, vb, oh + i * D, gh_ + i * D, ph + i * C, dsh + i * C, dqh + i * D, part,
+                         a->tp, ws, i, lim, nv, D, C, a->scale);
+        })
+    }
+}
+
+/* Pass 2 of block blk of key/value head bh, by key row: dk, dv in gather form, from the dS of the
+ * readers of its rows (up to the largest distance further on). */
+static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) {
+    const i64 T = a->T, D = a->D, C = a->C, Hk = a->Hk, g = a->H / Hk;
+    const SFX(taps_t) *tp = a->tp;
+    const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+    const int32_t *pb = a->dpos ? a->dpos + (bh / Hk) * T : NULL;
+    const i64 *eb = a->ends ? a->ends + (bh / Hk) * T : NULL;
+    REAL *dkb = a->dk + bh * T * D, *dvb = a->dv + bh * T * D;
+    for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
+    /* vector rows: the taps whose reader row exists, for rows that no reader reaches
+     * through a clamp (-1: bwd_col's row); the same for every query head of the group */
+    i64 nm[FA_BLOCK];
+    for (i64 m = i0; m < i1 && a->nvx; m++) {
+        const i64 end = eb ? eb[m] : T;
+        i64 n = a->L->n1;
+        while (n && m + tp->off[n - 1] >= end) n--;
+        nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
+    }
+    for (i64 gh = 0; gh < g; gh++) {
+        const i64 h = (bh / Hk) * a->H + (bh % Hk) * g + gh;
+        const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;
+        const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh = a->dS + oc;
+        FA_WITH_NV(a->nvx, if (NV) {
+            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->cix, i0, i1, nm, C, NV);
+            for (i64 m = i0; m < i1; m++)
+                if (nm[m - i0] < 0)
+                    SFX(bwd_col)(dkb + m * D, dvb + m * D, qh, gh_, ph, dsh, tp, ws, m, pb ? pb[m] == 0 : m == 0,
+                                 eb ? eb[m] : T, D, C, a->lo, a->whi, a->two);
+        } else for (i64 m = i0; m < i1; m++) {
+            SFX(bwd_col)(dkb + m * D, dvb + m * D, qh, gh_, ph, dsh, tp, ws, m, pb ? pb[m] == 0 : m == 0,
+                         eb ? eb[m] : T, D, C, a->lo, a->whi, a->two);
+        })
+    }
+    if (!a->nvx)                                 /* the vector rows' dS holds the factor */
+        for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= a->scale;
+}
+
 /* Gradients of fa_attn_fwd (P, G and PH as there). dS (B,H,T,C) is scratch (the vector rows keep it times scale); when
  * dfrac (C doubles) is non-NULL, d loss / d f of each two-tap column is added to it, along
- * (wlo, whi) = (1 - f, f). */
+ * (wlo, whi) = (1 - f, f). Pass 2 of a block needs pass 1 of the blocks up to the largest distance
+ * on (lag blocks). With at least as many head groups as threads, each thread takes whole head groups
+ * and runs pass 2 of block b right after pass 1 of block b + lag, while the rows it reads again (q,
+ * dout, P, dS) are still in its caches: one pass over memory instead of two. Otherwise pass 1 runs
+ * over every (head group, block), then pass 2. Either way each block does the same sums in the same
+ * order, so the results are the same bit for bit. */
 int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
                      const REAL *P, const REAL *G, i64 PH, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac,
                      i64 B, i64 H, i64 Hk,
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, const int32_t *dpos, int fast, int nt) {
-    const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
+    const i64 nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
     if (C < 1 || lo[0] != 0) return 1;
     i64 *ends = dpos ? fa_doc_ends(dpos, B, T) : NULL;  /* where each row's document ends */
@@ -1059,75 +1142,41 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
     i64 *cix = malloc(sizeof(i64) * (3 * C + 1));        /* tap t's index in P / dS from its reader row */
     if ((dpos && !ends) || (dfrac && !parts) || !cix || SFX(taps_init)(&tp, C, lo, wlo, whi, two))
         return free(ends), free(parts), free(cix), 1;
-    for (i64 t = 0; t < tp.n; t++) cix[t] = tp.off[t] * C + tp.col[t];
+    i64 maxoff = 0;                                     /* the largest distance to a reader row that exists */
+    for (i64 t = 0; t < tp.n; t++) {
+        cix[t] = tp.off[t] * C + tp.col[t];
+        if (tp.off[t] < T && tp.off[t] > maxoff) maxoff = tp.off[t];
+    }
     SFX(lanes_t) L;
     SFX(lanes_init)(&L, &tp, C, T, D, lo, wlo, whi, two);
-    const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0;  /* vector rows: dS is kept times scale (dk's factor) */
+    const SFX(bwd_t) a = {q, k, v, out, dout, P, G, whi, dS, dq, dk, dv, parts, dpos, ends, lo, cix, two, &tp, &L,
+                          PH, H, Hk, T, D, C, nb, scale,
+                          L.ok ? SFX(fixed_nv)(D, fast) : 0};  /* vector rows: dS is kept times scale (dk's factor) */
+    const i64 units = B * Hk, lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;
+    const int streamed = units >= nt && (units % nt == 0 || units >= 4 * nt);   /* balanced enough */
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
         SFX(ws_t) ws = {0};
         const int bad = SFX(ws_init)(&ws, C);
-        /* pass 1, by query row: dS and dq */
+        if (streamed) {
+#pragma omp for schedule(static)
+            for (i64 bh = 0; bh < units; bh++)
+                for (i64 step = 0; step < nb + lag && !bad; step++) {
+                    if (step < nb) SFX(bwd_pass1)(&a, &ws, bh, step);
+                    if (step >= lag) SFX(bwd_pass2)(&a, &ws, bh, step - lag);
+                }
+        } else {
 #pragma omp for collapse(2) schedule(static)
-        for (i64 bh = 0; bh < B * Hk; bh++)
-            for (i64 blk = 0; blk < nb; blk++) {
-                if (bad) continue;
-                const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
-                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
-                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
-                double *part = parts ? parts + (bh * nb + blk) * C : NULL;
-                for (i64 gh = 0; gh < g; gh++) {
-                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
-                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;
-                    i64 nv = 0;
-                    FA_WITH_NV(nvx, if (NV) {
-                        SFX(bwd_vblock)(q + o, kb, vb, out + o, dout + o, P + op, G ? G + op : NULL, dS + oc, dq + o,
-                                        part, pb, &L, ws.blk, ws.tab, i0, i1, C, lo, scale, NV);
-                    } else for (i64 i = i0; i < i1; i++) {
-                        const i64 lim = pb ? pb[i] : i;
-                        nv = SFX(nvalid)(nv, lim, C, lo);
-                        SFX(bwd_row)(q + o + i * D, kb, vb, out + o + i * D, dout + o + i * D, P + op + i * C,
-                                     dS + oc + i * C, dq + o + i * D, part, &tp, &ws, i, lim, nv, D, C, scale);
-                    })
-                }
-            }
-        /* pass 2, by key row (after the implicit barrier): dk, dv in gather form */
+            for (i64 bh = 0; bh < units; bh++)
+                for (i64 blk = 0; blk < nb; blk++)
+                    if (!bad) SFX(bwd_pass1)(&a, &ws, bh, blk);
+            /* (the implicit barrier: every dS is written) */
 #pragma omp for collapse(2) schedule(static)
-        for (i64 bh = 0; bh < B * Hk; bh++)
-            for (i64 blk = 0; blk < nb; blk++) {
-                if (bad) continue;
-                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
-                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
-                const i64 *eb = ends ? ends + (bh / Hk) * T : NULL;
-                REAL *dkb = dk + bh * T * D, *dvb = dv + bh * T * D;
-                for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
-                /* vector rows: the taps whose reader row exists, for rows that no reader reaches
-                 * through a clamp (-1: bwd_col's row); the same for every query head of the group */
-                i64 nm[FA_BLOCK];
-                for (i64 m = i0; m < i1 && nvx; m++) {
-                    const i64 end = eb ? eb[m] : T;
-                    i64 n = L.n1;
-                    while (n && m + tp.off[n - 1] >= end) n--;
-                    nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
-                }
-                for (i64 gh = 0; gh < g; gh++) {
-                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
-                    const i64 o = h * T * D, oc = h * T * C, op = h * PH;
-                    FA_WITH_NV(nvx, if (NV) {
-                        SFX(bwd_ktile)(dkb, dvb, q + o, dout + o, P + op, dS + oc, &tp, cix, i0, i1, nm, C, NV);
-                        for (i64 m = i0; m < i1; m++)
-                            if (nm[m - i0] < 0)
-                                SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + op, dS + oc, &tp, &ws, m,
-                                             pb ? pb[m] == 0 : m == 0, eb ? eb[m] : T, D, C, lo, whi, two);
-                    } else for (i64 m = i0; m < i1; m++) {
-                        SFX(bwd_col)(dkb + m * D, dvb + m * D, q + o, dout + o, P + op, dS + oc, &tp, &ws, m,
-                                     pb ? pb[m] == 0 : m == 0, eb ? eb[m] : T, D, C, lo, whi, two);
-                    })
-                }
-                if (!nvx)                                /* the vector rows' dS holds the factor */
-                    for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= scale;
-            }
+            for (i64 bh = 0; bh < units; bh++)
+                for (i64 blk = 0; blk < nb; blk++)
+                    if (!bad) SFX(bwd_pass2)(&a, &ws, bh, blk);
+        }
         if (bad) {
 #pragma omp atomic write
             failed = 1;

@@ -1,12 +1,15 @@
 """The fused ops as ``torch.library`` custom ops: what ``torch.compile`` sees.
 
-- ``fibattn::sparse_attention(q, k, v, dists, scale, backend, off) -> (out, aux)``
-- ``fibattn::interpolated_sparse_attention(q, k, v, alpha, window, base, reach, scale,
+- ``fibattn::sparse_attention_v2(q, k, v, dists, scale, backend, off) -> (out, aux)``
+- ``fibattn::interpolated_sparse_attention_v2(q, k, v, alpha, window, base, reach, scale,
   backend, off) -> (out, aux)``
 
 (``off``: the packed documents' offsets, ``documents``, or None)
 
-each with a ``..._backward`` op and a registered autograd formula. Under tracing (the
+each with a ``..._backward`` op and a registered autograd formula. The names end in
+:data:`SAVED_STATE_VERSION`: torch.compile's on-disk caches key a compiled graph by its code,
+which names the ops, and not by their fake implementations, so a graph cached under another
+layout of ``aux`` would fail a size assert after an upgrade; a new name makes it a cache miss. Under tracing (the
 compiler, functorch, a dispatch mode) the public functions call them through
 :class:`SparseAttention` / :class:`InterpolatedSparseAttention`, autograd Functions sharing
 that formula, because functorch's transforms see those and not a registered formula; plain
@@ -33,6 +36,13 @@ from torch import Tensor
 
 from .backends import kernel_set
 from .columns import ColumnSpec, docs
+
+
+SAVED_STATE_VERSION = 2   # bumped whenever a backend's ``aux`` changes shape (tests/test_compile.py pins them)
+
+
+def _name(op: str) -> str:
+    return f"fibattn::{op}_v{SAVED_STATE_VERSION}"
 
 
 def _spec(dists=None, window=0, base=(), reach=None) -> ColumnSpec:
@@ -67,7 +77,7 @@ def _vmap_rule(op):
 
 
 # ----------------------------------------------------------------------------- integer op
-@torch.library.custom_op("fibattn::sparse_attention", mutates_args=())
+@torch.library.custom_op(_name("sparse_attention"), mutates_args=())
 def sparse_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, backend: str,
               off: Tensor | None) -> tuple[Tensor, Tensor]:
     return kernel_set(backend, q.device).forward(q, k, v, _spec(dists), None, scale, **docs(off))
@@ -78,7 +88,7 @@ def _(q, k, v, dists, scale, backend, off):
     return q.new_empty(q.shape), kernel_set(backend, q.device, log=False).aux_like(q, _spec(dists))
 
 
-@torch.library.custom_op("fibattn::sparse_attention_backward", mutates_args=())
+@torch.library.custom_op(_name("sparse_attention_backward"), mutates_args=())
 def sparse_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, dists: list[int],
                        scale: float, backend: str, off: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv, _ = kernel_set(backend, q.device).backward(dout, q, k, v, out, aux, _spec(dists), None, scale,
@@ -148,7 +158,7 @@ class SparseAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- fractional op
-@torch.library.custom_op("fibattn::interpolated_sparse_attention", mutates_args=())
+@torch.library.custom_op(_name("interpolated_sparse_attention"), mutates_args=())
 def interpolated_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, window: int, base: list[int],
                     reach: int | None, scale: float, backend: str, off: Tensor | None) -> tuple[Tensor, Tensor]:
     spec = _spec(None, window, base, reach)
@@ -161,7 +171,7 @@ def _(q, k, v, alpha, window, base, reach, scale, backend, off):
     return q.new_empty(q.shape), kern.aux_like(q, _spec(None, window, base, reach))
 
 
-@torch.library.custom_op("fibattn::interpolated_sparse_attention_backward", mutates_args=())
+@torch.library.custom_op(_name("interpolated_sparse_attention_backward"), mutates_args=())
 def interpolated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, alpha: Tensor,
                              window: int, base: list[int], reach: int | None, scale: float, backend: str,
                              need_dalpha: bool, off: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
