@@ -20,7 +20,9 @@
  * i.e. taps clamp at the document start instead of row 0.
  *
  * Nothing is scattered: every output row is written by exactly one thread (the gradient
- * of k and v is computed in gather form, y[m] = sum over rows m + d that read row m).
+ * of k and v is computed in gather form, y[m] = sum over rows m + d that read row m). The
+ * backward's key-row pass of a block follows its query-row pass of the blocks that read it
+ * (fa_attn_bwd), on the same thread where the head groups divide among the threads.
  *
  * Vector rows (issue 29; head size 2, 4, 8 or 16 SIMD vectors, fast != 0, see lanes_t): a row's
  * column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are

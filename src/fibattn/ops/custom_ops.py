@@ -9,8 +9,9 @@
 each with a ``..._backward`` op and a registered autograd formula. The names end in
 :data:`SAVED_STATE_VERSION`: torch.compile's on-disk caches key a compiled graph by its code,
 which names the ops, and not by their fake implementations, so a graph cached under another
-layout of ``aux`` would fail a size assert after an upgrade; a new name makes it a cache miss. Under tracing (the
-compiler, functorch, a dispatch mode) the public functions call them through
+layout of ``aux`` would fail a size assert after an upgrade; a new name makes it a cache miss.
+
+Under tracing (the compiler, functorch, a dispatch mode) the public functions call them through
 :class:`SparseAttention` / :class:`InterpolatedSparseAttention`, autograd Functions sharing
 that formula, because functorch's transforms see those and not a registered formula; plain
 eager calls skip this dispatch (``eager``).

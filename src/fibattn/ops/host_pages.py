@@ -122,9 +122,9 @@ def cached_bytes() -> int:
 
 
 def huge_empty(like: torch.Tensor, *shape: int) -> torch.Tensor:
-    """An uninitialised CPU tensor of ``like``'s dtype and ``shape``: from the pool of huge pages when
-    it takes 4 MiB or more (smaller ones, or with the pool off, as ``new_empty`` gives them, the
-    2 MiB-aligned part advised onto huge pages before anything touches it)."""
+    """An uninitialised CPU tensor of ``like``'s dtype and ``shape``. Under 4 MiB: as ``new_empty``
+    gives it. From 4 MiB: on a pooled region of huge pages; with the pool off, from ``new_empty`` with
+    its 2 MiB-aligned part advised onto huge pages before anything touches it."""
     nbytes = math.prod(shape) * like.element_size()
     if nbytes < 2 * _HUGE:
         return like.new_empty(shape)
