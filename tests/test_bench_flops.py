@@ -45,16 +45,18 @@ def test_rows_paths_run_the_generic_kernel_and_lines_compare_them(monkeypatch, o
 def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread):
     cfg = ba.BenchConfig(lengths=[40], repeats=2, heads=2, kv_heads=1, head_dim=16, window=3, fib_k=5,
                          memory=False, paths=["integer", "interpolated", "integer-rows"])
+    monkeypatch.setattr(bf, "MM_N", 64)
     lines = bf.kernel_lines(cfg, 50.0)
-    assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone")
+    assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone vs torch.mm 64x64")
     assert "integer " in lines[0] and "; interpolated " in lines[0] and "% of peak)" in lines[0]
+    assert lines[0].count("of torch.mm") == 4 and lines[0].count(", torch.mm ") == 2
     calls = []
     for name in ("attn_forward", "attn_backward"):
         real = getattr(cpu_backend, name)
         monkeypatch.setattr(cpu_backend, name, lambda *a, _real=real, _name=name, **kw: (
             calls.append((_name, kw.get("into") is not None)), _real(*a, **kw))[1])
-    op_ms, ms = bf.kernel_ms(cfg, "integer", 40, 2)
-    assert op_ms > 0 and ms > 0
+    op_ms, ms, mm = bf.kernel_ms(cfg, "integer", 40, 2)
+    assert op_ms > 0 and ms > 0 and mm > 0
     # three rounds (one warm-up); the kernels alone always write into the tensors made beforehand
     # (the public op reaches the kernels through the op interface, not these module attributes)
     assert calls == [("attn_forward", True), ("attn_backward", True)] * 3

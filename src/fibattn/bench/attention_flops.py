@@ -1,6 +1,7 @@
 """Achieved GFLOP/s of the fused ops in ``fibattn bench attention`` against the machine's fp32
 matmul rate (issue 29), the old-vs-new CPU kernel comparison, and the CPU kernels alone (outputs
-written into tensors allocated once: what the op costs without the page faults of fresh tensors).
+written into tensors allocated once), the public op and ``torch.mm`` timed in the same
+interleaved rounds: the share of the matmul rate from times taken under the same load.
 
 Work counted: 12 * Dh flops per query, head and attended column for forward+backward (4 * Dh
 forward: q.k and p.v; backward adds dout.v, dq, dk and dv), a column attended by the rows that
@@ -75,10 +76,16 @@ def flop_lines(records, peak: float | None) -> list[str]:
     return lines
 
 
-def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
+MM_N = 2048                # the torch.mm shape of matmul_peak, also timed between the op's rounds
+
+
+def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float, float]:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
-    (``integer`` or ``interpolated``, the bench's shapes, autograd) and of its cpu kernels alone
-    (every output and the scratch allocated once beforehand): ``(op_ms, kernels_ms)``."""
+    (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
+    (every output and the scratch allocated once beforehand) and of ``torch.mm`` (``MM_N``
+    square): ``(op_ms, kernels_ms, mm_gflop_s)``. The matmul rate comes from the same minutes as
+    the op's times, where the run's peak (``matmul_peak``) is taken once at its start, and this
+    machine's speed drifts by ±20 % over minutes."""
     from .attention_paths import _distances, _inputs, make_step
 
     leaves, dout = _inputs(cfg, T)
@@ -89,23 +96,26 @@ def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float]:
     cols, scale = host_columns(spec, cfg.alpha if interp else None, T), cfg.head_dim ** -0.5
     fwd = (huge_empty(q, *q.shape), huge_empty(q, *cpu_backend.aux_shape(q, len(cols.lo), cols.interpolated)))
     bwd = (huge_empty(q, *q.shape), huge_empty(k, *k.shape), huge_empty(v, *v.shape))   # as the op's own
+    a, b = torch.randn(MM_N, MM_N), torch.randn(MM_N, MM_N)
 
     def kernels():
         out, aux = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
         cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, scale, need_dfrac=interp, into=bwd)
 
-    steps, best = (make_step(cfg, path, T, (leaves, dout)), kernels), [float("inf")] * 2
+    steps = (make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b))
+    best = [float("inf")] * len(steps)
     for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)
         for j, step in enumerate(steps):
             t0 = time.perf_counter()
             step()
             if r:
                 best[j] = min(best[j], time.perf_counter() - t0)
-    return best[0] * 1e3, best[1] * 1e3
+    return best[0] * 1e3, best[1] * 1e3, 2 * MM_N ** 3 / best[2] / 1e9
 
 
 def kernel_lines(cfg, peak: float | None) -> list[str]:
-    """Per forward+backward length on CPU: each fused op's public call against its kernels alone."""
+    """Per forward+backward length on CPU: each fused op's public call against its kernels alone, and
+    both against the run's matmul peak and a ``torch.mm`` rate measured in the same rounds."""
     ops = [p for p in ("integer", "interpolated") if p in cfg.paths]
     if cfg.on_cuda or not ops or cpu_backend.unavailable("cpu") is not None:
         return []
@@ -113,10 +123,11 @@ def kernel_lines(cfg, peak: float | None) -> list[str]:
     for T in cfg.lengths:
         parts = []
         for op in ops:
-            op_ms, ms = kernel_ms(cfg, op, T, cfg.repeats)
-            rate = gflop_rate(cfg, op, T, ms)
-            parts.append(f"{op} {op_ms:.1f} ms, kernels alone {ms:.1f} ms = {rate:.1f} GFLOP/s"
-                         + (f" ({rate / peak:.0%} of peak)" if peak else ""))
-        lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone (outputs allocated once; fastest of "
-                     f"{cfg.repeats}, interleaved): " + "; ".join(parts))
+            op_ms, ms, mm = kernel_ms(cfg, op, T, cfg.repeats)
+            op_rate, rate = gflop_rate(cfg, op, T, op_ms), gflop_rate(cfg, op, T, ms)
+            parts.append(f"{op} {op_ms:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), kernels alone "
+                         f"{ms:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
+                         + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s")
+        lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
+                     f"once; fastest of {cfg.repeats}, interleaved): " + "; ".join(parts))
     return lines
