@@ -23,7 +23,10 @@ from ..schedules import as_base, attended_distances, interpolation_plan
 FLOP_PATHS = ("integer", "interpolated", "integer-docs", "interpolated-docs", "integer-rows", "interpolated-rows")
 
 
-def matmul_peak(n: int = 2048, rounds: int = 5) -> float:
+MM_N = 2048                # the torch.mm shape of the run's peak, also timed between the op's rounds
+
+
+def matmul_peak(n: int = MM_N, rounds: int = 5) -> float:
     """fp32 ``torch.mm`` GFLOP/s on this CPU with torch's current thread count (best of ``rounds``:
     the machine's rate, as little of other processes' load as one can get)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -74,9 +77,6 @@ def flop_lines(records, peak: float | None) -> list[str]:
                 lines.append(f"T={T} {mode}: {op}, generic rows kernel / tiled kernel = "
                              f"{by[f'{op}-rows'].ms / by[op].ms:.2f}x ({by[f'{op}-rows'].ms:.1f} vs {by[op].ms:.1f} ms)")
     return lines
-
-
-MM_N = 2048                # the torch.mm shape of matmul_peak, also timed between the op's rounds
 
 
 def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float, float]:
