@@ -896,28 +896,20 @@ FA_INLINE void SFX(get_cols)(SFX(vec) *x, const REAL *restrict y, const SFX(lane
     for (int g = 0; g < L->G1; g++) x[g] = SFX(vload_n)(y + g * FA_VL, C - g * FA_VL);
 }
 
-FA_INLINE REAL SFX(vdot)(const REAL *restrict a, const REAL *restrict b, const int NV) {
-    SFX(vec) s0 = {0}, s1 = {0};
-    int c = 0;
-    for (; c + 1 < NV; c += 2)
-        s0 += VLD(a + c * FA_VL) * VLD(b + c * FA_VL), s1 += VLD(a + (c + 1) * FA_VL) * VLD(b + (c + 1) * FA_VL);
-    if (c < NV) s0 += VLD(a + c * FA_VL) * VLD(b + c * FA_VL);
-    return SFX(hsum)(s0 + s1);
-}
-
 /* The middle of pass 1 for row i, from its dout . v dots dlo (first taps) and dhi (second taps) of ng
  * groups: dS (times scale) to dsi, the dq coefficients to cf, and d/d frac of the two-tap columns into
  * part (when non-NULL), from the forward's score slopes si (or, when NULL, two dots of qi with the
- * rows at bi + ln). */
+ * rows at bi + ln). delta = sum_c P_c dP_c, which equals dout . out (out = sum_c P_c v_c): the row's
+ * own lanes, so pass 1 never reads out (an eighth of its memory traffic; 4-8 % of the backward). */
 FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REAL *restrict qi,
-                             const REAL *restrict bi, const i64 *restrict ln, const REAL *restrict oi,
-                             const REAL *restrict gi, const REAL *restrict pi, const REAL *restrict si,
-                             REAL *restrict dsi, REAL *restrict cf, double *restrict part, const SFX(lanes_t) *L,
-                             i64 nv, int ng, i64 C, REAL scale, const int NV) {
-    SFX(vec) p[FA_MAXG], ds[FA_MAXG];
-    const REAL delta = SFX(vdot)(gi, oi, NV);
+                             const REAL *restrict bi, const i64 *restrict ln, const REAL *restrict pi,
+                             const REAL *restrict si, REAL *restrict dsi, REAL *restrict cf, double *restrict part,
+                             const SFX(lanes_t) *L, i64 nv, int ng, i64 C, REAL scale, const int NV) {
+    SFX(vec) p[FA_MAXG], ds[FA_MAXG], pdp = {0};
     SFX(colmix)(ds, dlo, dhi, L, ng);
     SFX(get_cols)(p, pi, L, C);
+    for (int g = 0; g < ng; g++) pdp += p[g] * ds[g];
+    const REAL delta = SFX(hsum)(pdp);
     for (int g = 0; g < ng; g++) ds[g] = p[g] * (ds[g] - delta);  /* dS = P (dP - delta); 0 where P is */
     for (int g = ng; g < L->G1; g++) ds[g] = p[g] - p[g];
     SFX(coefs)(cf, ds, L, scale);
@@ -937,10 +929,10 @@ FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REA
 }
 
 
-/* Rows [i0, i1) of one head's pass 1, in fwd_vblock's order (q, out, dout: the head's rows; P, G, dS
+/* Rows [i0, i1) of one head's pass 1, in fwd_vblock's order (q, dout: the head's rows; P, G, dS
  * likewise; tab: room for a row's clamped offsets, for the alpha gradient's dots without slopes). */
 FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
-                               const REAL *restrict oh, const REAL *restrict gh_, const REAL *restrict ph,
+                               const REAL *restrict gh_, const REAL *restrict ph,
                                const REAL *restrict sh, REAL *restrict dsh, REAL *restrict dqh, double *restrict part,
                                const int32_t *pb, const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 *restrict tab,
                                i64 i0, i64 i1, i64 C, const i64 *lo, REAL scale, const int NV) {
@@ -954,7 +946,7 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
         const i64 nv = nvs[i - i0], lim = lims[i - i0];
         const i64 *ln = L->noff;
         if (part && !sh && lim < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lim, D), ln = tab;
-        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, ln, oh + i * D, gh_ + i * D, ph + i * C,
+        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, ln, ph + i * C,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
                       (int)((nv + FA_VL - 1) / FA_VL), C, scale, NV);
     }
@@ -1073,7 +1065,7 @@ static void SFX(bwd_pass1)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         REAL *dsh = a->dS + oc, *dqh = a->dq + o;
         i64 nv = 0;
         FA_WITH_NV(a->nvx, if (NV) {
-            SFX(bwd_vblock)(qh, kb, vb, oh, gh_, ph, a->G ? a->G + op : NULL, dsh, dqh, part, pb, a->L, ws->blk,
+            SFX(bwd_vblock)(qh, kb, vb, gh_, ph, a->G ? a->G + op : NULL, dsh, dqh, part, pb, a->L, ws->blk,
                             ws->tab, i0, i1, C, a->lo, a->scale, NV);
         } else for (i64 i = i0; i < i1; i++) {
             const i64 lim = pb ? pb[i] : i;
@@ -1122,14 +1114,14 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= a->scale;
 }
 
-/* Gradients of fa_attn_fwd (P, G and PH as there). dS (B,H,T,C) is scratch (the vector rows keep it times scale); when
- * dfrac (C doubles) is non-NULL, d loss / d f of each two-tap column is added to it, along
- * (wlo, whi) = (1 - f, f). Pass 2 of a block needs pass 1 of the blocks up to the largest distance
- * on (lag blocks). With at least as many head groups as threads, each thread takes whole head groups
- * and runs pass 2 of block b right after pass 1 of block b + lag, while the rows it reads again (q,
- * dout, P, dS) are still in its caches: one pass over memory instead of two. Otherwise pass 1 runs
- * over every (head group, block), then pass 2. Either way each block does the same sums in the same
- * order, so the results are the same bit for bit. */
+/* Gradients of fa_attn_fwd (P, G and PH as there; out is read by the generic rows only). dS (B,H,T,C)
+ * is scratch (the vector rows keep it times scale); when dfrac (C doubles) is non-NULL, d loss / d f
+ * of each two-tap column is added to it, along (wlo, whi) = (1 - f, f). Pass 2 of a block needs pass 1
+ * of the blocks up to the largest distance on (lag blocks). With at least as many head groups as
+ * threads, each thread takes whole head groups and runs pass 2 of block b right after pass 1 of block
+ * b + lag, while the rows it reads again (q, dout, P, dS) are still in its caches: one pass over
+ * memory instead of two. Otherwise pass 1 runs over every (head group, block), then pass 2. Either
+ * way each block does the same sums in the same order, so the results are the same bit for bit. */
 int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
                      const REAL *P, const REAL *G, i64 PH, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac,
                      i64 B, i64 H, i64 Hk,
