@@ -3,6 +3,7 @@ lengths, grouped heads and packed documents, outputs and gradients of q, k, v an
 gradient bit-identical for any thread count; more columns than the lanes hold (the generic rows
 then); the backward's scratch kept between calls of any size; the generic rows kept selectable."""
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -54,6 +55,9 @@ def _both(q, k, v, dout, W, alpha, docs):
     (77, 64, 4, 2, 0, None),                 # W = 0, grouped, a ragged last tile
     (200, 32, 2, 2, 12, (5, 1, 70, 64)),     # packed documents across tiles, a document of one row
     (131, 128, 2, 1, 6, (40, 3)),            # Dh 128 (two register blocks), documents, grouped
+    (97, 96, 2, 1, 12, (30, 2)),             # Dh 96: 12 vectors (a block of 8 and one of 4), documents
+    (70, 48, 4, 2, 12, None),                # Dh 48: 6 vectors, grouped
+    (66, 24, 2, 2, 5, (3, 40)),              # Dh 24: 3 vectors, documents
 ])
 def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs):
     q, k, v, dout = make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh)
@@ -65,7 +69,7 @@ def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("Dh", [32, 64, 128])
+@pytest.mark.parametrize("Dh", [32, 48, 64, 96, 128])
 def test_tiled_rows_match_reference_long_packed(Dh):
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=1500, Dh=Dh, seed=Dh)
     (gi, gf), (wi, wf) = _both(q, k, v, dout, 12, 1.41, _docs(1, 1500, (700, 1, 300, 2)))
@@ -125,6 +129,19 @@ def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypa
     monkeypatch.setattr(cpu_backend, "kernel", "fast")
     with pytest.raises(UsageError, match="FIBATTN_CPU_KERNEL must be one of tiled, rows, got 'fast'"):
         cpu_backend.attn_forward(q, k, v, cols, 0.3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_common_head_sizes_run_the_vector_rows(dtype):
+    """Head sizes of 2, 3, 4, 6, 8, 12 or 16 SIMD vectors take the vector rows, every other the generic
+    rows; with AVX2 (8 fp32 lanes) that is fp32 Dh 16, 24, 32, 48, 64, 96 and 128."""
+    nv = functools.partial(cpu_backend.vector_rows, dtype)
+    lanes = next(d for d in range(1, 65) if nv(2 * d))
+    for dh in range(1, 20 * lanes):
+        want = dh // lanes if dh % lanes == 0 and dh // lanes in (2, 3, 4, 6, 8, 12, 16) else 0
+        assert nv(dh) == want, dh
+    if dtype == torch.float32 and lanes == 8:
+        assert [nv(dh) for dh in (16, 24, 32, 48, 64, 80, 96, 128, 256)] == [2, 3, 4, 6, 8, 0, 12, 16, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -9,9 +9,10 @@ The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (defa
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
 and the CPU's feature flags; it is compiled to a temporary file and renamed, so
 concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
-Head sizes of 2, 4, 8 or 16 SIMD vectors (fp32 Dh 16-128 with AVX2) run vector rows (a row's
-columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns than 16 vectors of lanes, or
-``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
+Head sizes of 2, 3, 4, 6, 8, 12 or 16 SIMD vectors (fp32 Dh 16, 24, 32, 48, 64, 96 or 128 with
+AVX2) run vector rows (a row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns
+than 16 vectors of lanes, or ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows
+(issue 29's baseline).
 Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
 their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); an interpolated
 forward saves its score slopes next to ``P`` (:func:`aux_shape`).
@@ -44,11 +45,11 @@ log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
-_ABI = 12
+_ABI = 13
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# "tiled": vector rows for head sizes of 2, 4, 8 or 16 SIMD vectors; "rows": the generic rows
+# "tiled": vector rows for head sizes of 2, 3, 4, 6, 8, 12 or 16 SIMD vectors; "rows": the generic rows
 # only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
 KERNELS = ("tiled", "rows")
 kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"
@@ -156,6 +157,12 @@ def _kernel(stem: str, dtype: torch.dtype):
     if dtype not in _SUFFIX:
         raise UsageError(f"cpu backend kernels take float32 or float64 tensors, got {dtype}")
     return getattr(build.lib, f"{stem}_{_SUFFIX[dtype]}")
+
+
+def vector_rows(dtype: torch.dtype, head_dim: int) -> int:
+    """How many SIMD vectors a row of ``head_dim`` takes in the vector rows (0: that head size runs
+    the generic rows), on this machine's vector width."""
+    return _kernel("fa_vector_nv", dtype)(_i64(head_dim))
 
 
 def _prep(*xs: torch.Tensor) -> list[torch.Tensor]:

@@ -24,8 +24,8 @@
  * backward's key-row pass of a block follows its query-row pass of the blocks that read it
  * (fa_attn_bwd), on the same thread where the head groups divide among the threads.
  *
- * Vector rows (issue 29; head size 2, 4, 8 or 16 SIMD vectors, fast != 0, see lanes_t): a row's
- * column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
+ * Vector rows (issue 29; head size 2, 3, 4, 6, 8, 12 or 16 SIMD vectors, fast != 0, see lanes_t):
+ * a row's column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
  * sums over taps keep their accumulators in registers. A block of rows goes one lane group, then four
  * taps, at a time over all its rows (fwd_vblock, bwd_vblock, and the backward's key-row pass
@@ -76,7 +76,7 @@ static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i6
     for (; j < n; j++) out[j] = -fa_min(off[j], lim) * D;
 }
 
-int fa_abi_version(void) { return 12; }
+int fa_abi_version(void) { return 13; }
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
  * dpos is 0); NULL when out of memory. */
@@ -823,19 +823,28 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     SFX(zero)(oi, D), SFX(gather)(oi, vb, ws->row, cf, n, D);
 }
 
-/* The vector rows need D a multiple of the vector width with 2-16 vectors; fast = 0 (the
- * backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
+/* The vector rows need D a multiple of the vector width with 2, 3, 4, 6, 8, 12 or 16 vectors (fp32
+ * Dh 16-128 with AVX2, the common head sizes among them; each size is one more inlined copy of the
+ * kernels: 12 s -> 21 s to compile all seven); fast = 0 (the backend's FIBATTN_CPU_KERNEL=rows)
+ * keeps the generic rows for comparison. */
 static int SFX(fixed_nv)(i64 D, int fast) {
     const i64 nv = D / FA_VL;
-    return fast && D % FA_VL == 0 && (nv == 2 || nv == 4 || nv == 8 || nv == 16) ? (int)nv : 0;
+    const int ok = nv == 2 || nv == 3 || nv == 4 || nv == 6 || nv == 8 || nv == 12 || nv == 16;
+    return fast && D % FA_VL == 0 && ok ? (int)nv : 0;
 }
+
+/* The vector rows' NV for head size D (0: the generic rows), whatever the columns; for the backend. */
+int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
 
 /* Runs the statement with the constant NV = nvx (one inlined copy per supported size). */
 #define FA_WITH_NV(nvx, ...)                                                                     \
     switch (nvx) {                                                                                \
     case 2: { const int NV = 2; __VA_ARGS__; } break;                                                  \
+    case 3: { const int NV = 3; __VA_ARGS__; } break;                                                  \
     case 4: { const int NV = 4; __VA_ARGS__; } break;                                                  \
+    case 6: { const int NV = 6; __VA_ARGS__; } break;                                                  \
     case 8: { const int NV = 8; __VA_ARGS__; } break;                                                  \
+    case 12: { const int NV = 12; __VA_ARGS__; } break;                                                \
     case 16: { const int NV = 16; __VA_ARGS__; } break;                                                \
     default: { const int NV = 0; __VA_ARGS__; }                                                        \
     }
