@@ -60,7 +60,7 @@ def test_interpolated_bf16_within_reference_error(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("T,Dh,H,Hkv", [(63, 32, 8, 1), (64, 64, 4, 4), (65, 128, 2, 1), (130, 64, 8, 2),
-                                        (1025, 32, 2, 2), (97, 96, 4, 2), (66, 48, 2, 1)])
+                                        (1025, 32, 2, 2), (97, 96, 4, 2), (66, 48, 2, 1), (70, 256, 2, 1)])
 def test_cpu_kernels_at_production_shapes(T, Dh, H, Hkv, dtype):
     """Head sizes of the tiny / paper models and beyond, rows across the kernels' 64-row tiles,
     groups up to 8: both ops, outputs and gradients."""

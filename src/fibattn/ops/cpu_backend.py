@@ -9,8 +9,8 @@ The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (defa
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
 and the CPU's feature flags; it is compiled to a temporary file and renamed, so
 concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
-Head sizes of 2, 3, 4, 6, 8, 12 or 16 SIMD vectors (fp32 Dh 16, 24, 32, 48, 64, 96 or 128 with
-AVX2) run vector rows (a row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns
+Head sizes of 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors (fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128
+or 256 with AVX2) run vector rows (a row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns
 than 16 vectors of lanes, or ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows
 (issue 29's baseline).
 Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
@@ -49,7 +49,7 @@ _ABI = 13
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# "tiled": vector rows for head sizes of 2, 3, 4, 6, 8, 12 or 16 SIMD vectors; "rows": the generic rows
+# "tiled": vector rows for head sizes of 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors; "rows": the generic rows
 # only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
 KERNELS = ("tiled", "rows")
 kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"

@@ -24,7 +24,7 @@
  * backward's key-row pass of a block follows its query-row pass of the blocks that read it
  * (fa_attn_bwd), on the same thread where the head groups divide among the threads.
  *
- * Vector rows (issue 29; head size 2, 3, 4, 6, 8, 12 or 16 SIMD vectors, fast != 0, see lanes_t):
+ * Vector rows (issue 29; head size 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors, fast != 0, see lanes_t):
  * a row's column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
  * sums over taps keep their accumulators in registers. A block of rows goes one lane group, then four
@@ -823,13 +823,14 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     SFX(zero)(oi, D), SFX(gather)(oi, vb, ws->row, cf, n, D);
 }
 
-/* The vector rows need D a multiple of the vector width with 2, 3, 4, 6, 8, 12 or 16 vectors (fp32
- * Dh 16-128 with AVX2, the common head sizes among them; each size is one more inlined copy of the
- * kernels: 12 s -> 21 s to compile all seven); fast = 0 (the backend's FIBATTN_CPU_KERNEL=rows)
- * keeps the generic rows for comparison. */
+/* The vector rows need D a multiple of the vector width with 2, 3, 4, 6, 8, 10, 12, 16 or 32 vectors
+ * (fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128 or 256 with AVX2: the common head sizes; each size is one
+ * more inlined copy of the kernels, 23 s to compile all nine against 12 s for four); fast = 0 (the
+ * backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
 static int SFX(fixed_nv)(i64 D, int fast) {
     const i64 nv = D / FA_VL;
-    const int ok = nv == 2 || nv == 3 || nv == 4 || nv == 6 || nv == 8 || nv == 12 || nv == 16;
+    const int ok = nv == 2 || nv == 3 || nv == 4 || nv == 6 || nv == 8 || nv == 10 || nv == 12 || nv == 16 ||
+                   nv == 32;
     return fast && D % FA_VL == 0 && ok ? (int)nv : 0;
 }
 
@@ -844,8 +845,10 @@ int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
     case 4: { const int NV = 4; __VA_ARGS__; } break;                                                  \
     case 6: { const int NV = 6; __VA_ARGS__; } break;                                                  \
     case 8: { const int NV = 8; __VA_ARGS__; } break;                                                  \
+    case 10: { const int NV = 10; __VA_ARGS__; } break;                                                \
     case 12: { const int NV = 12; __VA_ARGS__; } break;                                                \
     case 16: { const int NV = 16; __VA_ARGS__; } break;                                                \
+    case 32: { const int NV = 32; __VA_ARGS__; } break;                                                \
     default: { const int NV = 0; __VA_ARGS__; }                                                        \
     }
 
