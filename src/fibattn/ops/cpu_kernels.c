@@ -823,21 +823,9 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     SFX(zero)(oi, D), SFX(gather)(oi, vb, ws->row, cf, n, D);
 }
 
-/* The vector rows need D a multiple of the vector width with 2, 3, 4, 6, 8, 10, 12, 16 or 32 vectors
- * (fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128 or 256 with AVX2: the common head sizes; each size is one
- * more inlined copy of the kernels, 23 s to compile all nine against 12 s for four); fast = 0 (the
- * backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
-static int SFX(fixed_nv)(i64 D, int fast) {
-    const i64 nv = D / FA_VL;
-    const int ok = nv == 2 || nv == 3 || nv == 4 || nv == 6 || nv == 8 || nv == 10 || nv == 12 || nv == 16 ||
-                   nv == 32;
-    return fast && D % FA_VL == 0 && ok ? (int)nv : 0;
-}
-
-/* The vector rows' NV for head size D (0: the generic rows), whatever the columns; for the backend. */
-int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
-
-/* Runs the statement with the constant NV = nvx (one inlined copy per supported size). */
+/* Runs the statement with the constant NV = nvx: one inlined copy per supported size (NV = 0 for any
+ * other: the generic rows). This list is the only one: fixed_nv reads it too. Each size costs one more
+ * copy of the kernels to compile (all nine: 23 s, against 12 s for four). */
 #define FA_WITH_NV(nvx, ...)                                                                     \
     switch (nvx) {                                                                                \
     case 2: { const int NV = 2; __VA_ARGS__; } break;                                                  \
@@ -851,6 +839,18 @@ int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
     case 32: { const int NV = 32; __VA_ARGS__; } break;                                                \
     default: { const int NV = 0; __VA_ARGS__; }                                                        \
     }
+
+/* The vector rows need D a multiple of the vector width in one of FA_WITH_NV's sizes (2, 3, 4, 6, 8,
+ * 10, 12, 16 or 32 vectors: fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128 or 256 with AVX2, the common head
+ * sizes); fast = 0 (the backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
+static int SFX(fixed_nv)(i64 D, int fast) {
+    int nv = 0;
+    if (fast && D % FA_VL == 0) FA_WITH_NV(D / FA_VL, nv = NV);
+    return nv;
+}
+
+/* The vector rows' NV for head size D (0: the generic rows), whatever the columns; for the backend. */
+int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
 
 /* out = softmax(scale * q.k_cols) . v_cols;  P keeps the probabilities and G (or NULL) the score slopes
  * (see fwd_vmid; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
