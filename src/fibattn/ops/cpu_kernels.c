@@ -27,13 +27,14 @@
  * Vector rows (issue 29; head size 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors, fast != 0, see lanes_t):
  * a row's column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
- * sums over taps keep their accumulators in registers. A block of rows goes one lane group, then four
- * taps, at a time over all its rows (fwd_vblock, bwd_vblock, and the backward's key-row pass
- * bwd_ktile), so that each tap's rows are a stream of consecutive rows; rows near their document
- * start read clamped rows for the columns they cannot see yet, with coefficient 0. d/d frac is
- * summed per (head, block) and then
- * in a fixed order, so it is bit-identical for any thread count; its q . (k_hi - k_lo) comes from
- * the forward, which saves it next to P (the score slopes, G) for interpolated columns.
+ * sums over taps keep their accumulators in registers. A block of rows goes in phases (fwd_vblock,
+ * bwd_vblock; the backward's key-row pass bwd_ktile): all its dots, a row at a time; the softmax
+ * (or dS) in passes over all its rows; all its weighted sums, a row at a time with every tap (each
+ * row of the output is written once, and the rows of the band are still in L1 from the row before).
+ * Rows near their document start read clamped rows for the columns they cannot see yet, with
+ * coefficient 0. d/d frac is summed per (head, block) and then in a fixed order, so it is bit-identical
+ * for any thread count; its q . (k_hi - k_lo) comes from the forward, which saves it next to P (the
+ * score slopes, G) for interpolated columns.
  */
 #ifndef FA_BODY
 #define FA_BODY
@@ -621,6 +622,9 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
 
+/* The lanes of column group g that are valid columns of a row with fnv of them (a prefix). */
+FA_INLINE SFX(ivec) SFX(valid)(const SFX(lanes_t) *L, int g, REAL fnv) { return VLD(L->idx + g * FA_VL) < fnv; }
+
 /* Column values wlo * dlo + whi * dhi (dlo alone in groups of single-tap columns). */
 FA_INLINE void SFX(colmix)(SFX(vec) *s, const SFX(vec) *dlo, const SFX(vec) *dhi, const SFX(lanes_t) *L, int ng) {
     for (int g = 0; g < ng; g++)
@@ -634,25 +638,6 @@ FA_INLINE void SFX(put_cols)(REAL *restrict y, const SFX(vec) *x, const SFX(lane
     for (i64 c = (i64)L->G1 * FA_VL; c < C; c++) y[c] = 0;
 }
 
-/* Column probabilities of row i: softmax(scale * s) over the nv valid columns (a prefix), 0
- * elsewhere; ng groups hold them. */
-FA_INLINE void SFX(vsoftmax)(SFX(vec) *s, const SFX(lanes_t) *L, i64 nv, int ng, REAL scale) {
-    const REAL inf = (REAL)INFINITY, fnv = (REAL)nv;
-    SFX(ivec) ok[FA_MAXG];
-    SFX(vec) m = {0};
-    m -= inf;
-    for (int g = 0; g < ng; g++) {
-        ok[g] = VLD(L->idx + g * FA_VL) < fnv;
-        s[g] = VSEL(ok[g], s[g], m - 0), m = VSEL(s[g] > m, s[g], m);
-    }
-    const REAL mx = SFX(hmax)(m);
-    SFX(vec) sum = {0};
-    for (int g = 0; g < ng; g++) s[g] = VSEL(ok[g], SFX(vexp)((s[g] - mx) * scale), sum - sum), sum += s[g];
-    const REAL inv = 1 / SFX(hsum)(sum);
-    for (int g = 0; g < ng; g++) s[g] *= inv;
-    for (int g = ng; g < L->G1; g++) s[g] = sum - sum;
-}
-
 /* cf[lane] = p * wlo on column lanes, p * whi on hi lanes (times f). */
 FA_INLINE void SFX(coefs)(REAL *restrict cf, const SFX(vec) *p, const SFX(lanes_t) *L, REAL f) {
     for (int g = 0; g < L->G1; g++) {
@@ -661,105 +646,101 @@ FA_INLINE void SFX(coefs)(REAL *restrict cf, const SFX(vec) *p, const SFX(lanes_
     }
 }
 
-/* The middle of a forward row, from its dots s (first taps) and dhi (second taps) of ng groups: the
- * probabilities to pi, their tap coefficients to cf, and (gi non-NULL) the score slopes q . (k_hi - k_lo)
- * for the alpha gradient to gi, in the valid lanes of the column groups with a hi group (0 elsewhere:
- * the saved state is an output of the op, so every value is defined). */
-FA_INLINE void SFX(fwd_vmid)(SFX(vec) *s, const SFX(vec) *dhi, REAL *restrict pi, REAL *restrict gi,
-                             REAL *restrict cf, const SFX(lanes_t) *L, i64 nv, int ng, i64 C, REAL scale) {
-    if (gi) {
-        SFX(vec) sl[FA_MAXG];
-        for (int g = 0; g < L->G1; g++)
-            sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(VLD(L->idx + g * FA_VL) < (REAL)nv, dhi[g] - s[g], (SFX(vec)){0})
-                                             : (SFX(vec)){0};
-        SFX(put_cols)(gi, sl, L, C);
+/* The middle of the forward for rows [i0, i1), from their dots in blk (block_dots' layout): softmax(scale * s)
+ * over each row's nvs valid columns (a prefix) to ph, 0 in the others; the tap coefficients to cb (a row
+ * each FA_MAXG * FA_VL); and (gh non-NULL) the score slopes q . (k_hi - k_lo) for the alpha gradient to gh,
+ * in the valid lanes of the column groups with a hi group (0 elsewhere: the saved state is an output of
+ * the op, so every value is defined). Three passes over the rows (masked max; exp and sum; scale and
+ * store) instead of one row at a time: a pass's rows are independent, so the core overlaps their
+ * dependency chains (the max across lanes, exp, 1 / sum), which one row at a time left it waiting on. */
+FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *restrict gh, REAL *restrict cb,
+                              const SFX(lanes_t) *L, const i64 *restrict nvs, i64 i0, i64 i1, i64 C, REAL scale) {
+    REAL mx[FA_BLOCK], inv[FA_BLOCK];
+    for (i64 i = i0; i < i1; i++) {
+        SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, *dhi = s + FA_MAXG, m = {0};
+        const REAL fnv = (REAL)nvs[i - i0];
+        const int ng = (int)((nvs[i - i0] + FA_VL - 1) / FA_VL);
+        if (gh) {
+            SFX(vec) sl[FA_MAXG];
+            for (int g = 0; g < L->G1; g++)
+                sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(SFX(valid)(L, g, fnv), dhi[g] - s[g], (SFX(vec)){0})
+                                                 : (SFX(vec)){0};
+            SFX(put_cols)(gh + i * C, sl, L, C);
+        }
+        SFX(colmix)(s, s, dhi, L, ng);
+        m -= (REAL)INFINITY;
+        for (int g = 0; g < ng; g++)       /* invalid lanes take the running max: they leave it as it is */
+            s[g] = VSEL(SFX(valid)(L, g, fnv), s[g], m), m = VSEL(s[g] > m, s[g], m);
+        for (int g = ng; g < L->G1; g++) s[g] = (SFX(vec)){0};
+        mx[i - i0] = SFX(hmax)(m);
     }
-    SFX(colmix)(s, s, dhi, L, ng);
-    SFX(vsoftmax)(s, L, nv, ng, scale);
-    SFX(put_cols)(pi, s, L, C);
-    SFX(coefs)(cf, s, L, 1);
+    for (i64 i = i0; i < i1; i++) {
+        SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, sum = {0};
+        const REAL fnv = (REAL)nvs[i - i0];
+        for (int g = 0; g < (int)((nvs[i - i0] + FA_VL - 1) / FA_VL); g++)
+            s[g] = VSEL(SFX(valid)(L, g, fnv), SFX(vexp)((s[g] - mx[i - i0]) * scale), (SFX(vec)){0}),
+            sum += s[g];
+        inv[i - i0] = 1 / SFX(hsum)(sum);
+    }
+    for (i64 i = i0; i < i1; i++) {
+        SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG;
+        for (int g = 0; g < (int)((nvs[i - i0] + FA_VL - 1) / FA_VL); g++) s[g] *= inv[i - i0];
+        SFX(put_cols)(ph + i * C, s, L, C);
+        SFX(coefs)(cb + (i - i0) * FA_MAXG * FA_VL, s, L, 1);
+    }
 }
 
-
-/* Rows [m0, m1) (those with nm[m - m0] >= 0 when nm is given) of y += sum_j c_j(m) x[m + xo_j / D] over
- * NJ taps: x row element offsets xo[j]; coefficients c_j(m) = w[j] * cb[(m - m0) * cs + co[j]] (w NULL:
- * 1); init: y starts at 0 instead of its stored value. With lims (each row's limit, see the top of this
- * file), a tap of xo = -off * D reads row m - min(off, lim) instead: taps clamp at the document start.
- * Each tap's rows are read by its own load instructions as a stream of consecutive rows (what the
- * prefetchers follow), and a row's partial sums stay in registers between one load and one store of y. */
-FA_INLINE void SFX(tapsum)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
-                           const i64 *restrict xo_, const i64 *restrict co_, const REAL *restrict w_, int init,
-                           i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NJ,
-                           const int NV) {
+/* Rows [m0, m1) of y += sum_t c_t(m) x[m + xo_t / D] over the first n taps (nm given: nm[m - m0] taps, none
+ * when -1): x row element offsets xo[t]; coefficients c_t(m) = w[t] * cb[(m - m0) * cs + co[t]] (w NULL: 1);
+ * init: y starts at 0 instead of its stored value. With lims (each row's limit, see the top of this file),
+ * a tap of xo = -off * D reads row m - min(off, lim) instead: taps clamp at the document start.
+ * A row at a time with all its taps, its sums in registers: y goes through the caches once, and the tap
+ * rows near m are still in L1 from the rows before (by groups of taps over all the rows, each group read
+ * and wrote y again from L2 at 32 B a cycle on Zen 3: the forward took 1.06x). */
+FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
+                            const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
+                            i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    enum { CH = 8 };
-    i64 xo[4], co[4];
-    REAL w[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < NJ; j++) xo[j] = xo_[j], co[j] = co_[j], w[j] = w_ ? w_[j] : 1;
+    enum { CH = 8 };                                  /* vectors of a row in registers at once */
     for (i64 m = m0; m < m1; m++) {
-        if (nm && nm[m - m0] < 0) continue;
+        const i64 nt = nm ? nm[m - m0] : n, lim = lims ? lims[m - m0] * D : 0;
         REAL *y = yb + m * D;
         const REAL *x = xb + m * D, *cv = cb + (m - m0) * cs;
-        i64 xc[4];                                   /* this row's tap offsets */
-#pragma GCC unroll 4
-        for (int j = 0; j < NJ; j++) xc[j] = lims ? -fa_min(-xo[j], lims[m - m0] * D) : xo[j];
-        REAL ct[4];
-        const REAL *xr[4];                           /* the tap rows: one base, fixed offsets (no lea per load) */
-#pragma GCC unroll 4
-        for (int j = 0; j < NJ; j++) ct[j] = w_ ? w[j] * cv[co[j]] : cv[co[j]], xr[j] = x + xc[j];
-        for (int c0 = 0; c0 < NV; c0 += CH) {
+        for (int c0 = 0; c0 < NV && nt >= 0; c0 += CH) {
             const int nc = NV - c0 < CH ? NV - c0 : CH;
             SFX(vec) a[CH];
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) a[c] = init ? (SFX(vec)){0} : (SFX(vec))VLD(y + (c0 + c) * FA_VL);
-#pragma GCC unroll 4
-            for (int j = 0; j < NJ; j++)
+            for (i64 t = 0; t < nt; t++) {
+                const REAL ct = w ? w[t] * cv[co[t]] : cv[co[t]];
+                const REAL *xr = x + (lims ? -fa_min(-xo[t], lim) : xo[t]) + c0 * FA_VL;
 #pragma GCC unroll 8
-                for (int c = 0; c < nc; c++) a[c] += ct[j] * VLD(xr[j] + (c0 + c) * FA_VL);
+                for (int c = 0; c < nc; c++) a[c] += ct * VLD(xr + c * FA_VL);
+            }
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
         }
     }
 }
 
-/* All n taps of tapsum, four at a time then the last one to three together (tap t: x offset xo[t],
- * coefficient index co[t], weight w[t]; the first group initialises y when init). */
-FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
-                            const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
-                            i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NV) {
-    i64 t0 = 0;
-    for (; t0 + 4 <= n; t0 += 4, init = 0)
-        SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, lims, 4, NV);
-#define FA_REST(j) SFX(tapsum)(yb, xb, cb, cs, xo + t0, co + t0, w ? w + t0 : NULL, init, m0, m1, nm, lims, j, NV)
-    switch (n - t0) {
-    case 3: FA_REST(3); break;
-    case 2: FA_REST(2); break;
-    case 1: FA_REST(1); break;
-    }
-#undef FA_REST
-}
-
-/* The dots of rows [i0, i1) of x with their lane rows of base, one lane group at a time over all the
- * rows: row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap groups FA_MAXG further.
+/* The dots of rows [i0, i1) of x with their lane rows of base, a row at a time (its q row and the band's
+ * rows stay in L1; by lane groups over all the rows, each group read them again from L2: 1.07x the
+ * forward): row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap groups FA_MAXG further.
  * lims (or NULL: no row reaches its document start): the rows' limits; a row whose taps reach its
- * document start reads clamped rows (the group's offsets, clamped four at a time). */
+ * document start reads clamped rows (its lane offsets, clamped four at a time). */
 FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, const REAL *restrict x,
                                const REAL *restrict base, i64 i0, i64 i1, const i64 *restrict lims, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    for (int g = 0; g < L->G1; g++)
-        for (int hi = 0; hi < 2; hi++) {
-            if (hi && L->hig[g] < 0) continue;
-            const i64 lane = (hi ? L->hig[g] : g) * FA_VL;
-            SFX(vec) *d = blk + hi * FA_MAXG + g;
-            for (i64 m = i0; m < i1; m++) {
-                const i64 *ln = L->noff + lane;
-                i64 tab[FA_VL];
-                if (lims && lims[m - i0] < L->maxoff)
-                    fa_row_offsets(tab, L->offr + lane, FA_VL, lims[m - i0], D), ln = tab;
-                d[(m - i0) * 2 * FA_MAXG] = SFX(dotv)(x + m * D, base + m * D, ln, NV);
-            }
+    for (i64 m = i0; m < i1; m++) {
+        const i64 *ln = L->noff;
+        i64 tab[FA_MAXG * FA_VL];
+        if (lims && lims[m - i0] < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lims[m - i0], D), ln = tab;
+        SFX(vec) *d = blk + (m - i0) * 2 * FA_MAXG;
+        for (int g = 0; g < L->G1; g++) {
+            d[g] = SFX(dotv)(x + m * D, base + m * D, ln + g * FA_VL, NV);
+            if (L->hig[g] >= 0) d[FA_MAXG + g] = SFX(dotv)(x + m * D, base + m * D, ln + L->hig[g] * FA_VL, NV);
         }
+    }
 }
 
 /* The limits (lims) and valid column counts (nvs) of rows [i0, i1) (pb: the positions in their
@@ -775,12 +756,10 @@ FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, const int32
     return clamped;
 }
 
-/* Rows [i0, i1) of one head's forward (pb: positions in documents, or NULL). The dots go one lane
- * group at a time over all the rows and the weighted sums four taps at a time, so each tap's rows are
- * read by its own load instructions as a stream of consecutive rows (what the prefetchers follow;
- * row by row, each of the ~46 rows a query reads was a separate jump). Every row takes all C1
- * columns' taps: those of invalid columns have coefficient 0 and read clamped rows. ws->blk holds the
- * block's dots and coefficients. */
+/* Rows [i0, i1) of one head's forward (pb: positions in documents, or NULL): the block's dots, then its
+ * softmax, then its weighted sums (a row's dots, softmax and sums one after the other took 1.13x: each
+ * waited on the one before). Every row takes all C1 columns' taps: those of invalid columns have
+ * coefficient 0 and read clamped rows. ws->blk holds the block's dots and coefficients. */
 FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
                                REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const int32_t *pb,
                                const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, const i64 *lo,
@@ -789,12 +768,7 @@ FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
     i64 lims[FA_BLOCK], nvs[FA_BLOCK];
     const i64 *cl = SFX(block_rows)(lims, nvs, pb, L, i0, i1, C, lo) ? lims : NULL;
     SFX(block_dots)(blk, L, qh, kb, i0, i1, cl, NV);
-    for (i64 i = i0; i < i1; i++) {
-        const i64 nv = nvs[i - i0];
-        SFX(fwd_vmid)(blk + (i - i0) * 2 * FA_MAXG, blk + (i - i0) * 2 * FA_MAXG + FA_MAXG, ph + i * C,
-                      gh ? gh + i * C : NULL, cb + (i - i0) * FA_MAXG * FA_VL, L, nv, (int)((nv + FA_VL - 1) / FA_VL),
-                      C, scale);
-    }
+    SFX(fwd_vmids)(blk, ph, gh, cb, L, nvs, i0, i1, C, scale);
     SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
 }
 
@@ -805,7 +779,7 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     for (i64 t = 0; t < n; t++) ws->row[t] = i - fa_min(tp->off[t], lim);
     SFX(dots)(qi, kb, ws->row, n, D, ws->d);
     if (gi) SFX(zero)(gi, C);
-    for (i64 t = 0; gi && t + 1 < n; t++)              /* score slopes, as in fwd_vmid */
+    for (i64 t = 0; gi && t + 1 < n; t++)              /* score slopes, as in fwd_vmids */
         if (tp->col[t + 1] == tp->col[t]) gi[tp->col[t]] = ws->d[t + 1] - ws->d[t], t++;
     REAL *s = tp->one ? ws->d : ws->s;                  /* scores per column */
     if (!tp->one) {
@@ -853,7 +827,7 @@ static int SFX(fixed_nv)(i64 D, int fast) {
 int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
 
 /* out = softmax(scale * q.k_cols) . v_cols;  P keeps the probabilities and G (or NULL) the score slopes
- * (see fwd_vmid; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
+ * (see fwd_vmids; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
  * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C. */
 /* The fused kernels split (head, block) statically: each thread streams whole heads (contiguous
  * chunks), which keeps a head's rows in its own caches (measured 10-15 % faster at 16K than
@@ -968,29 +942,18 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
  * taps each: those whose reader row m + off exists; -1 marks a row left to bwd_col):
  * dk += sum_t w dS[m + off, col] q[m + off], dv += sum_t w P[m + off, col] dout[m + off].
- * The taps every row has go four at a time over all rows of the tile (tapsums); cix[t] = off * C + col. */
+ * A row at a time with all its taps (tapsums); cix[t] = off * C + col. */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
                               const SFX(taps_t) *tp, const i64 *restrict cix, i64 m0, i64 m1,
                               const i64 *restrict nm, i64 C, const int NV) {
     const i64 D = (i64)NV * FA_VL;
-    i64 nt = -1, xo[2 * FA_MAXG * FA_VL];              /* the taps every row has (at most a row's lanes) */
-    for (i64 m = m0; m < m1; m++) nt = nm[m - m0] >= 0 && (nt < 0 || nm[m - m0] < nt) ? nm[m - m0] : nt;
-    nt = nt < 0 ? 0 : nt;
-    for (i64 t = 0; t < nt; t++) xo[t] = tp->off[t] * D;
-    for (int side = 0; side < 2; side++) {
-        REAL *yb = side ? dvb : dkb;
-        const REAL *xb = side ? gh_ : qh, *cb = side ? ph : dsh;
-        SFX(tapsums)(yb, xb, cb + m0 * C, C, xo, cix, tp->one ? NULL : tp->w, 0, nt, m0, m1, nm, NULL, NV);
-        for (i64 m = m0; m < m1; m++)                  /* a row's further taps (near the end), one at a time */
-            for (i64 t = nt; t < nm[m - m0]; t++) {
-                REAL *y = yb + m * D;
-                const REAL *x = xb + (m + tp->off[t]) * D, *cv = cb + m * C;
-                const REAL ct = tp->one ? cv[cix[t]] : tp->w[t] * cv[cix[t]];
-#pragma GCC unroll 16
-                for (int c = 0; c < NV; c++) VST(y + c * FA_VL, VLD(y + c * FA_VL) + ct * VLD(x + c * FA_VL));
-            }
-    }
+    i64 n = 0, xo[2 * FA_MAXG * FA_VL];               /* the taps of the row with most (at most a row's lanes) */
+    for (i64 m = m0; m < m1; m++) n = nm[m - m0] > n ? nm[m - m0] : n;
+    for (i64 t = 0; t < n; t++) xo[t] = tp->off[t] * D;
+    for (int side = 0; side < 2; side++)
+        SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, xo, cix,
+                     tp->one ? NULL : tp->w, 0, 0, m0, m1, nm, NULL, NV);
 }
 
 FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
