@@ -227,3 +227,15 @@ def test_streamed_blocks_match_reference(docs):
     got, want = run(frac("cpu"), q, k, v, dout, a), run(frac("reference"), *exact, a.double())
     close([g.double() for g in got[:4]], want[:4], **TOL)
     torch.testing.assert_close(got[4].double(), want[4], rtol=1e-4, atol=1e-4 * max(want[4].abs().item(), 1.0))
+
+
+def test_a_build_that_fails_gives_the_reason_and_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The library builds from two halves at once (float, double); a half that does not compile makes
+    the backend unavailable with gcc's message, and no object or library is left in the cache."""
+    bad = tmp_path / "cpu_kernels.c"
+    bad.write_text(cpu_backend._SOURCE.read_text().replace("typedef int64_t i64;", "typedef int64_t i64 oops;"))
+    monkeypatch.setattr(cpu_backend, "_SOURCE", bad)
+    monkeypatch.setenv("FIBATTN_CACHE", str(tmp_path / "cache"))
+    build = cpu_backend._load()
+    assert build.lib is None and "-DFA_PART=1" in build.reason and "oops" in build.reason
+    assert list((tmp_path / "cache").iterdir()) == []

@@ -7,8 +7,9 @@ kernel set has a fused forward / backward over *columns* (see ``cpu_kernels.c``)
 
 The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (default
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
-and the CPU's feature flags; it is compiled to a temporary file and renamed, so
-concurrent processes never load a half-written library. Threads: ``torch.get_num_threads()``.
+and the CPU's feature flags; it is built in a temporary folder next to it (its float and double
+halves compiled side by side: gcc takes 7 s instead of 12 s on two cores) and renamed, so concurrent
+processes never load a half-written library. Threads: ``torch.get_num_threads()``.
 Head sizes of 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors (fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128
 or 256 with AVX2) run vector rows (a row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns
 than 16 vectors of lanes, or ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows
@@ -44,7 +45,9 @@ name = "cpu"
 log = logging.getLogger("fibattn")
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+_CFLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno")
+_LDFLAGS = ("-shared", "-fopenmp")
+_PARTS = (1, 2)   # cpu_kernels.c's FA_PART: its float and its double kernels, compiled side by side
 _ABI = 13
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
@@ -96,24 +99,37 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str, source: bytes) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_CFLAGS + _LDFLAGS).encode(),
                                      _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels_{key}.so"
 
 
-def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
+def _run(cmds: list[list[str]]) -> None:
+    """Runs the commands side by side; RuntimeError with the first failure's command and stderr."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in cmds]
     try:
-        cmd = [compiler, *_FLAGS, "-o", tmp, str(_SOURCE.resolve()), "-lm"]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr.strip()[-800:]}")
-        os.replace(tmp, target)
+        errs = [proc.communicate(timeout=300)[1] for proc in procs]
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for cmd, proc, err in zip(cmds, procs, errs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[:800]}")   # the first error: the cause
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Builds the library into ``target``: the float and double halves at once (the build takes about
+    the time of the larger), linked in a folder of our own next to it and renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.") as tmp:
+        objs = [str(Path(tmp) / f"part{p}.o") for p in _PARTS]
+        _run([[compiler, *_CFLAGS, f"-DFA_PART={p}", "-c", "-o", obj, str(_SOURCE.resolve())]
+              for p, obj in zip(_PARTS, objs)])
+        lib = str(Path(tmp) / target.name)
+        _run([[compiler, *_LDFLAGS, "-o", lib, *objs, "-lm"]])
+        os.replace(lib, target)
 
 
 def _load() -> _Build:

@@ -1,8 +1,9 @@
 /* fibattn CPU kernels: banded (Toeplitz) sparse attention with OpenMP.
  *
- * Compiled on first use by cpu_backend.py (gcc -O2 -march=native -fopenmp) and loaded
- * with ctypes. Every kernel exists for float (suffix _f32) and double (_f64): this file
- * includes itself once per type with REAL / SFX / EXPR defined (keep its name cpu_kernels.c).
+ * Compiled on first use by cpu_backend.py (gcc -O2 -march=native -fopenmp; its float and double
+ * halves at once, see FA_PART) and loaded with ctypes. Every kernel exists for float (suffix _f32)
+ * and double (_f64): this file includes itself once per type with REAL / SFX / EXPR defined (keep
+ * its name cpu_kernels.c).
  *
  * Layout (all contiguous, row-major): q, x, out ``(B, H, T, D)``; k, v ``(B, Hk, T, D)``;
  * weights ``(B, H, T, n)``. Query head h = b*H + hk*g + gh reads key head bh = b*Hk + hk,
@@ -77,7 +78,9 @@ static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i6
     for (; j < n; j++) out[j] = -fa_min(off[j], lim) * D;
 }
 
+#if !defined(FA_PART) || FA_PART == 1
 int fa_abi_version(void) { return 13; }
+#endif
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
  * dpos is 0); NULL when out of memory. */
@@ -90,6 +93,9 @@ static i64 *fa_doc_ends(const int32_t *dpos, i64 B, i64 T) {
     return ends;
 }
 
+/* FA_PART 1 or 2 builds only the float or only the double kernels (cpu_backend.py compiles the two at
+ * once and links them); without it, both. */
+#if !defined(FA_PART) || FA_PART == 1
 #define REAL float
 #define FA_RBYTES 4
 #define SFX(x) x##_f32
@@ -99,7 +105,9 @@ static i64 *fa_doc_ends(const int32_t *dpos, i64 B, i64 T) {
 #undef FA_RBYTES
 #undef SFX
 #undef EXPR
+#endif
 
+#if !defined(FA_PART) || FA_PART == 2
 #define REAL double
 #define FA_RBYTES 8
 #define SFX(x) x##_f64
@@ -109,6 +117,7 @@ static i64 *fa_doc_ends(const int32_t *dpos, i64 B, i64 T) {
 #undef FA_RBYTES
 #undef SFX
 #undef EXPR
+#endif
 
 #else /* ---------------------------------------------------------------- typed body */
 
@@ -799,7 +808,7 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
 
 /* Runs the statement with the constant NV = nvx: one inlined copy per supported size (NV = 0 for any
  * other: the generic rows). This list is the only one: fixed_nv reads it too. Each size costs one more
- * copy of the kernels to compile (all nine: 23 s, against 12 s for four). */
+ * copy of the kernels to compile (all nine take about twice the time of four). */
 #define FA_WITH_NV(nvx, ...)                                                                     \
     switch (nvx) {                                                                                \
     case 2: { const int NV = 2; __VA_ARGS__; } break;                                                  \
