@@ -52,7 +52,7 @@ _ABI = 13
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# "tiled": vector rows for head sizes of 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors; "rows": the generic rows
+# "tiled": vector rows for the head sizes above (the generic rows for others); "rows": the generic rows
 # only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
 KERNELS = ("tiled", "rows")
 kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"

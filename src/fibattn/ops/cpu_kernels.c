@@ -631,6 +631,9 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
 
+/* The column groups that hold a row's nv valid columns (a prefix). */
+FA_INLINE int SFX(ngroups)(i64 nv) { return (int)((nv + FA_VL - 1) / FA_VL); }
+
 /* The lanes of column group g that are valid columns of a row with fnv of them (a prefix). */
 FA_INLINE SFX(ivec) SFX(valid)(const SFX(lanes_t) *L, int g, REAL fnv) { return VLD(L->idx + g * FA_VL) < fnv; }
 
@@ -668,7 +671,7 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
     for (i64 i = i0; i < i1; i++) {
         SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, *dhi = s + FA_MAXG, m = {0};
         const REAL fnv = (REAL)nvs[i - i0];
-        const int ng = (int)((nvs[i - i0] + FA_VL - 1) / FA_VL);
+        const int ng = SFX(ngroups)(nvs[i - i0]);
         if (gh) {
             SFX(vec) sl[FA_MAXG];
             for (int g = 0; g < L->G1; g++)
@@ -686,14 +689,14 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
     for (i64 i = i0; i < i1; i++) {
         SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, sum = {0};
         const REAL fnv = (REAL)nvs[i - i0];
-        for (int g = 0; g < (int)((nvs[i - i0] + FA_VL - 1) / FA_VL); g++)
+        for (int g = 0; g < SFX(ngroups)(nvs[i - i0]); g++)
             s[g] = VSEL(SFX(valid)(L, g, fnv), SFX(vexp)((s[g] - mx[i - i0]) * scale), (SFX(vec)){0}),
             sum += s[g];
         inv[i - i0] = 1 / SFX(hsum)(sum);
     }
     for (i64 i = i0; i < i1; i++) {
         SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG;
-        for (int g = 0; g < (int)((nvs[i - i0] + FA_VL - 1) / FA_VL); g++) s[g] *= inv[i - i0];
+        for (int g = 0; g < SFX(ngroups)(nvs[i - i0]); g++) s[g] *= inv[i - i0];
         SFX(put_cols)(ph + i * C, s, L, C);
         SFX(coefs)(cb + (i - i0) * FA_MAXG * FA_VL, s, L, 1);
     }
@@ -943,7 +946,7 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
         if (part && !sh && lim < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lim, D), ln = tab;
         SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, ln, ph + i * C,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
-                      (int)((nv + FA_VL - 1) / FA_VL), C, scale, NV);
+                      SFX(ngroups)(nv), C, scale, NV);
     }
     SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
 }
