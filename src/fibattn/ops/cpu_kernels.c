@@ -32,10 +32,10 @@
  * bwd_vblock; the backward's key-row pass bwd_ktile): all its dots, a row at a time; the softmax
  * (or dS) in passes over all its rows; all its weighted sums, a row at a time with every tap (each
  * row of the output is written once, and the rows of the band are still in L1 from the row before).
- * Rows near their document start read clamped rows for the columns they cannot see yet, with
- * coefficient 0. d/d frac is summed per (head, block) and then in a fixed order, so it is bit-identical
- * for any thread count; its q . (k_hi - k_lo) comes from the forward, which saves it next to P (the
- * score slopes, G) for interpolated columns.
+ * Rows near their document start dot clamped rows for the columns they cannot see yet (masked
+ * lanes); their weighted sums stop at their last valid column. d/d frac is summed per (head, block)
+ * and then in a fixed order, so it is bit-identical for any thread count; its q . (k_hi - k_lo) comes
+ * from the forward, which saves it next to P (the score slopes, G) for interpolated columns.
  */
 #ifndef FA_BODY
 #define FA_BODY
@@ -592,7 +592,9 @@ typedef struct {
     i64 offr[FA_MAXG * FA_VL];   /* each dot lane's row offset, lanes in dotv's order */
     i64 noff[FA_MAXG * FA_VL];   /* -offr * D: the element offsets of an unclamped row */
     i64 lane[2 * FA_MAXG * FA_VL];/* tap t's coefficient lane */
-    i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's -off * D */
+    i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's byte offset -off * D * sizeof(REAL) (tapsums) */
+    i64 tend[FA_MAXG * FA_VL];   /* the taps of columns 0..c */
+    int ident;                   /* tap t's coefficient is lane t (no two-tap column) */
     REAL wlo[FA_MAXG * FA_VL], whi[FA_MAXG * FA_VL], idx[FA_MAXG * FA_VL]; /* idx: the column, exact */
     char two[FA_MAXG * FA_VL];   /* the column has a second tap (whi may still be 0: frac = 0) */
 } SFX(lanes_t);
@@ -626,8 +628,11 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     for (i64 t = 0; t < L->n1; t++) {
         const i64 c = tp->col[t], g = c / FA_VL;
         const int hi = t > 0 && tp->col[t - 1] == c;
-        L->lane[t] = hi ? L->hig[g] * FA_VL + c % FA_VL : c, L->tnoff[t] = -tp->off[t] * D;
+        L->lane[t] = hi ? L->hig[g] * FA_VL + c % FA_VL : c, L->tnoff[t] = -tp->off[t] * D * (i64)sizeof(REAL);
     }
+    L->ident = 1;
+    for (i64 t = 0; t < L->n1; t++) L->ident &= L->lane[t] == t;
+    for (i64 c = 0; c < C1; c++) L->tend[c] = tp->end[c];
     L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
 
@@ -702,38 +707,52 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
     }
 }
 
-/* Rows [m0, m1) of y += sum_t c_t(m) x[m + xo_t / D] over the first n taps (nm given: nm[m - m0] taps, none
- * when -1): x row element offsets xo[t]; coefficients c_t(m) = w[t] * cb[(m - m0) * cs + co[t]] (w NULL: 1);
- * init: y starts at 0 instead of its stored value. With lims (each row's limit, see the top of this file),
- * a tap of xo = -off * D reads row m - min(off, lim) instead: taps clamp at the document start.
+/* One tap loop of tapsums: a[c] += COEF * (the row at byte offset OFF from x), c < nc, for t < nt. */
+#define FA_TAPS(COEF, OFF)                                                                         \
+    for (i64 t = 0; t < nt; t++) {                                                                 \
+        const REAL ct = (COEF);                                                                    \
+        const REAL *xr = (const REAL *)(x + (OFF));                                                \
+        _Pragma("GCC unroll 8") for (int c = 0; c < nc; c++) a[c] += ct * VLD(xr + c * FA_VL);     \
+    }
+
+/* Rows [m0, m1) of y += sum_t c_t(m) x[m - off_t] over a row's taps (nm[m - m0] of them, none when -1;
+ * n when nm is NULL): tap t's row at byte offset xo[t] = -off_t * D * sizeof(REAL) from row m's;
+ * coefficients c_t(m) = w[t] * cv[co[t]], cv = cb + (m - m0) * cs (w NULL: 1; co NULL: cv[t]); init: y
+ * starts at 0 instead of its stored value. With lims (each row's limit, see the top of this file), a
+ * tap past the row's document start reads the start row (only a last valid column's second tap does:
+ * the callers drop the taps of invalid columns).
  * A row at a time with all its taps, its sums in registers: y goes through the caches once, and the tap
  * rows near m are still in L1 from the rows before (by groups of taps over all the rows, each group read
- * and wrote y again from L2 at 32 B a cycle on Zen 3: the forward took 1.06x). */
+ * and wrote y again from L2 at 32 B a cycle on Zen 3: the forward took 1.06x). The loop is picked per
+ * row, so the common ones carry no test: a tap of the forward's integer columns is its 8 FMAs (Dh 64,
+ * AVX2) and 5 instructions, against 18 with the tests and clamps inside (one thread at 4K, those made
+ * the forward 1.06x slower; with two threads, where the rows far back come from L3, 1.03x). */
 FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
                             const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
                             i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     enum { CH = 8 };                                  /* vectors of a row in registers at once */
     for (i64 m = m0; m < m1; m++) {
-        const i64 nt = nm ? nm[m - m0] : n, lim = lims ? lims[m - m0] * D : 0;
+        const i64 nt = nm ? nm[m - m0] : n, lim = lims ? lims[m - m0] * D * (i64)sizeof(REAL) : 0;
+        const int clamp = lims && nt > 0 && -xo[nt - 1] > lim;
         REAL *y = yb + m * D;
-        const REAL *x = xb + m * D, *cv = cb + (m - m0) * cs;
+        const REAL *cv = cb + (m - m0) * cs;
         for (int c0 = 0; c0 < NV && nt >= 0; c0 += CH) {
             const int nc = NV - c0 < CH ? NV - c0 : CH;
+            const char *x = (const char *)(xb + m * D + c0 * FA_VL);
             SFX(vec) a[CH];
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) a[c] = init ? (SFX(vec)){0} : (SFX(vec))VLD(y + (c0 + c) * FA_VL);
-            for (i64 t = 0; t < nt; t++) {
-                const REAL ct = w ? w[t] * cv[co[t]] : cv[co[t]];
-                const REAL *xr = x + (lims ? -fa_min(-xo[t], lim) : xo[t]) + c0 * FA_VL;
-#pragma GCC unroll 8
-                for (int c = 0; c < nc; c++) a[c] += ct * VLD(xr + c * FA_VL);
-            }
+            if (clamp) FA_TAPS(w ? w[t] * cv[co ? co[t] : t] : cv[co ? co[t] : t], -fa_min(-xo[t], lim))
+            else if (!co && !w) FA_TAPS(cv[t], xo[t])
+            else if (!w) FA_TAPS(cv[co[t]], xo[t])
+            else FA_TAPS(w[t] * cv[co ? co[t] : t], xo[t])
 #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
         }
     }
 }
+#undef FA_TAPS
 
 /* The dots of rows [i0, i1) of x with their lane rows of base, a row at a time (its q row and the band's
  * rows stay in L1; by lane groups over all the rows, each group read them again from L2: 1.07x the
@@ -755,14 +774,15 @@ FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, co
     }
 }
 
-/* The limits (lims) and valid column counts (nvs) of rows [i0, i1) (pb: the positions in their
- * documents, or NULL); returns whether some row reaches its document start. */
-FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, const int32_t *pb, const SFX(lanes_t) *L,
-                              i64 i0, i64 i1, i64 C, const i64 *lo) {
+/* The limits (lims), valid column counts (nvs) and the taps of those columns (nts) of rows [i0, i1)
+ * (pb: the positions in their documents, or NULL); returns whether some row reaches its document start. */
+FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, i64 *restrict nts, const int32_t *pb,
+                              const SFX(lanes_t) *L, i64 i0, i64 i1, i64 C, const i64 *lo) {
     int clamped = 0;
     for (i64 i = i0, nv = 0; i < i1; i++) {
         lims[i - i0] = pb ? pb[i] : i;
         nvs[i - i0] = nv = SFX(nvalid)(nv, lims[i - i0], C, lo);
+        nts[i - i0] = L->tend[nv - 1];
         clamped |= lims[i - i0] < L->maxoff;
     }
     return clamped;
@@ -770,18 +790,20 @@ FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, const int32
 
 /* Rows [i0, i1) of one head's forward (pb: positions in documents, or NULL): the block's dots, then its
  * softmax, then its weighted sums (a row's dots, softmax and sums one after the other took 1.13x: each
- * waited on the one before). Every row takes all C1 columns' taps: those of invalid columns have
- * coefficient 0 and read clamped rows. ws->blk holds the block's dots and coefficients. */
+ * waited on the one before). Every row dots all C1 columns (those of invalid columns read clamped
+ * rows and are masked); its sums take the taps of its valid columns only (nts). ws->blk holds the
+ * block's dots and coefficients. */
 FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
                                REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const int32_t *pb,
                                const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, const i64 *lo,
                                REAL scale, const int NV) {
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
-    i64 lims[FA_BLOCK], nvs[FA_BLOCK];
-    const i64 *cl = SFX(block_rows)(lims, nvs, pb, L, i0, i1, C, lo) ? lims : NULL;
+    i64 lims[FA_BLOCK], nvs[FA_BLOCK], nts[FA_BLOCK];
+    const i64 *cl = SFX(block_rows)(lims, nvs, nts, pb, L, i0, i1, C, lo) ? lims : NULL;
     SFX(block_dots)(blk, L, qh, kb, i0, i1, cl, NV);
     SFX(fwd_vmids)(blk, ph, gh, cb, L, nvs, i0, i1, C, scale);
-    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
+    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->ident ? NULL : L->lane, NULL, 1, L->n1, i0, i1, nts, cl,
+                 NV);
 }
 
 FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
@@ -936,8 +958,8 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
                                i64 i0, i64 i1, i64 C, const i64 *lo, REAL scale, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
-    i64 lims[FA_BLOCK], nvs[FA_BLOCK];
-    const i64 *cl = SFX(block_rows)(lims, nvs, pb, L, i0, i1, C, lo) ? lims : NULL;
+    i64 lims[FA_BLOCK], nvs[FA_BLOCK], nts[FA_BLOCK];
+    const i64 *cl = SFX(block_rows)(lims, nvs, nts, pb, L, i0, i1, C, lo) ? lims : NULL;
     SFX(block_dots)(blk, L, gh_, vb, i0, i1, cl, NV);         /* dout . v per lane */
     for (i64 i = i0; i < i1; i++) {
         const SFX(vec) *d = blk + (i - i0) * 2 * FA_MAXG;
@@ -948,7 +970,8 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
                       SFX(ngroups)(nv), C, scale, NV);
     }
-    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->lane, NULL, 1, L->n1, i0, i1, NULL, cl, NV);
+    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->ident ? NULL : L->lane, NULL, 1, L->n1, i0, i1, nts, cl,
+                 NV);
 }
 
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
@@ -962,7 +985,7 @@ FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL
     const i64 D = (i64)NV * FA_VL;
     i64 n = 0, xo[2 * FA_MAXG * FA_VL];               /* the taps of the row with most (at most a row's lanes) */
     for (i64 m = m0; m < m1; m++) n = nm[m - m0] > n ? nm[m - m0] : n;
-    for (i64 t = 0; t < n; t++) xo[t] = tp->off[t] * D;
+    for (i64 t = 0; t < n; t++) xo[t] = tp->off[t] * D * (i64)sizeof(REAL);
     for (int side = 0; side < 2; side++)
         SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, xo, cix,
                      tp->one ? NULL : tp->w, 0, 0, m0, m1, nm, NULL, NV);
