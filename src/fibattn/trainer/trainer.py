@@ -43,6 +43,7 @@ from ..storage.init_source import describe, load_into
 from ..storage.results import check_db_path, resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
+from .grad_reduce import attach as attach_ordered_reduce
 from .init_weights import open_init
 from .batches import BatchForward, build_mesh, validation_losses
 from .logs import MetricSinks, ProgressBar, progress_line
@@ -157,6 +158,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
             ids = [self.dist.device.index] if self.dist.device.type == "cuda" else None
             fwd = DDP(fwd, device_ids=ids)
+            if attach_ordered_reduce(fwd, self.model.parameters()) and self.dist.is_main:
+                log.info("fibattn: gradients all-reduced once per step in parameter order (%d processes: "
+                         "the same sums after a resume)", self.dist.world_size)
         self.fwd = fwd
 
     # ------------------------------------------------------------------ one step
