@@ -8,8 +8,9 @@ an uninterrupted run. With two processes the sum of two terms is the same either
 
 :func:`attach` registers a DDP communication hook that waits for the last bucket and then
 all-reduces every gradient once, laid out in the model's parameter order: the same layout at
-every step of every run, so ``--resume`` continues bit for bit at any process count. The price is
-the overlap of the all-reduce with the backward (one all-reduce per step, after it).
+every step of every run, so ``--resume`` continues bit for bit with any number of processes (the
+same before and after). The price is the overlap of the all-reduce with the backward (one
+all-reduce per step, after it).
 """
 from __future__ import annotations
 
