@@ -172,3 +172,25 @@ def test_left_padded_batch_gives_the_unpadded_outputs(kw):
     want = m.generate(x[:, :12], **greedy)[0, 12:]
     got = m.generate(padded[:, :p + 12], attention_mask=mask[:1, :p + 12], **greedy)[0, p + 12:]
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("kw", [dict(window=3), dict(window=2, base="pow2", schedule="fixed", alpha=0.5)])
+def test_right_padded_batch_gives_the_unpadded_outputs(kw, monkeypatch):
+    """fib: every length's set is the set at T cut to it, so the sparse op serves the batch (the masked path is
+    not called); pow2 with alpha < 1 gains short distances as the length grows, so the short row keeps its own
+    set through the masked path. Either way the real tokens get their unpadded outputs."""
+    from fibattn.interop import hf_llama as H
+    m = apply_fibattn(llama(), **kw).eval()
+    x, y, n = ids(1, 12), ids(1, 46, seed=2), 12
+    batch = torch.cat([torch.cat([x, torch.zeros(1, 46 - n, dtype=torch.long)], 1), y], 0)
+    mask = torch.ones_like(batch)
+    mask[0, n:] = 0
+    masked, calls = H._masked, []
+    monkeypatch.setattr(H, "_masked", lambda *a: calls.append(1) or masked(*a))
+    with torch.no_grad():
+        out = m(batch, attention_mask=mask).logits
+        want_x, want_y = m(x).logits, m(y).logits
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[0, :n], want_x[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], want_y[0], atol=1e-5, rtol=1e-5)
+    assert bool(calls) == (kw.get("base") == "pow2")

@@ -20,7 +20,9 @@ Layout, as transformers passes it: query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv
 Semantics: the query at position ``i`` attends keys ``i - d`` for ``d`` in the layer's
 ``attended_distances(window, alpha, base, T, reach=reach_len)``, ``T`` the sequence length so
 far. Without a cache or padding (``Tq == Tk``) this is :func:`fibattn.sparse_attention`
-(O(T·|D|)). With a cache (``Tq < Tk``, generation) or a padded batch (``attention_mask``), the
+(O(T·|D|)); so is a right-padded batch whose rows' lengths all have the set at T cut to them (its
+real tokens see no padding; the outputs at its pads are not the masked path's, and nothing reads
+them). With a cache (``Tq < Tk``, generation) or another padded batch (``attention_mask``), the
 queries attend through the sparse boolean pattern combined with transformers' padding mask:
 exact (a left-padded row gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
@@ -133,6 +135,20 @@ def _masked(dists, query, key, value, pad, scaling):
     return _attend(query, key, value, pattern & pad, scaling)
 
 
+def _right_padded(mask, t: int) -> set[int] | None:
+    """The real lengths of a right-padded batch, or None for any other mask: each row's real keys a prefix
+    and the mask exactly causal over them (what transformers builds). Its real tokens see no padding, so
+    with one set for every length they are the sparse op's rows (its padding rows are not read)."""
+    m = mask[:, 0, :, mask.shape[-1] - t:].to(torch.bool)
+    real = m[:, -1]                                   # the last query sees every real key
+    if (real[:, 1:] & ~real[:, :-1]).any():
+        return None
+    causal = torch.ones(t, t, dtype=torch.bool, device=m.device).tril()
+    if not torch.equal(m, causal & real[:, None, :]):
+        return None
+    return {max(int(n), 1) for n in real.sum(-1).tolist()}
+
+
 def _attend(query, key, value, allowed, scaling):
     """Dense attention through the boolean ``allowed`` ``(B, 1, Tq, Tk)``."""
     tq, tk = query.shape[2], key.shape[2]
@@ -220,12 +236,16 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
         raise UsageError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
     documents = packed_documents(query, key, kwargs)
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
+    cached = hasattr(key, FIRST_KEY_POSITION)
+    if documents is None and attention_mask is not None and tq == tk and not cached:
+        lengths = _right_padded(attention_mask, tk)
+        if lengths is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in lengths):
+            attention_mask = None       # right padding that every row's set allows: the sparse op's rows
     if documents is not None:
         out = _packed(spec, dists, query, key, value, documents, attention_mask, scaling)
     elif attention_mask is not None:
         # every key in hand (no FibCache): each row's own length is countable from its mask
-        per_row = spec.distances if not hasattr(key, FIRST_KEY_POSITION) else dists
-        out = _masked(per_row, query, key, value, attention_mask, scaling)
+        out = _masked(spec.distances if not cached else dists, query, key, value, attention_mask, scaling)
     elif tq == tk:
         out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     else:
