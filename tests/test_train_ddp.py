@@ -1,4 +1,4 @@
-"""DDP on CPU (gloo): ``torchrun`` with 2 processes matches one process with the same global batch."""
+"""DDP on CPU (gloo): ``torchrun`` with 2 or 4 processes matches one process with the same global batch."""
 import json
 import os
 import subprocess
