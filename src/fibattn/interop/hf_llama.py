@@ -71,9 +71,10 @@ FIRST_KEY_POSITION = "fibattn_first_key_position"
 SCHEDULES = ("fixed", "linear", "coprime", "custom")
 # what apply_fibattn saves in config.fibattn
 SAVED_KEYS = ("window", "alphas", "reach_len", "backend", "schedule", "base")
-# the documents of the last packed batch: (weakref to their source tensor, its version, (B, T), ids, lengths);
-# every layer gets the same position_ids, so the ids are derived (and checked by the op) once a forward
-_derived: list = [None, None, None, None, None]
+# what was derived from the last batch's position_ids and mask: every layer of a forward gets the same
+# tensors, so each is read (and checked) once a forward; see _per_forward
+_documents_of: list = [None, None, None, None]
+_right_padding_of: list = [None, None, None, None]
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,17 @@ def _attend(query, key, value, allowed, scaling):
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+def _per_forward(cache: list, source: torch.Tensor, key, compute):
+    """``compute()``, kept in ``cache`` (a weakref to ``source``, its version, ``key``, the value) until
+    another tensor, a change to it or another ``key`` comes."""
+    ref, version, k, value = cache
+    if ref is not None and ref() is source and version == source._version and k == key:
+        return value
+    value = compute()
+    cache[:] = [weakref.ref(source), source._version, key, value]
+    return value
+
+
 def packed_documents(query, key, kwargs) -> tuple[torch.Tensor, set[int]] | None:
     """``(document_ids (B, T), their lengths)`` of a packed batch, from ``cu_seq_lens_q`` when given, else from
     ``position_ids`` that restart; None when every row is one document, or with keys from a cache (``Tq < Tk``,
@@ -170,24 +182,23 @@ def packed_documents(query, key, kwargs) -> tuple[torch.Tensor, set[int]] | None
     source = cu if cu is not None else pos
     if source is None or tq != key.shape[2] or hasattr(key, FIRST_KEY_POSITION):
         return None
-    ref, version, shape, ids, lengths = _derived
-    if ref is not None and ref() is source and version == source._version and shape == (B, tq):
-        return None if ids is None else (ids, lengths)
+    return _per_forward(_documents_of, source, (B, tq),
+                        lambda: _documents(query, cu, pos, kwargs.get("cu_seq_lens_k")))
+
+
+def _documents(query, cu, pos, cu_k):
+    """:func:`packed_documents` computed (checked: cu_seq_lens for one row, equal for queries and keys)."""
+    B, tq = query.shape[0], query.shape[2]
     if cu is not None:
-        cu_k = kwargs.get("cu_seq_lens_k")
         if B != 1 or (cu_k is not None and not torch.equal(cu_k.cpu(), cu.cpu())):
             raise UsageError(f"fibattn attention takes cu_seq_lens for one packed row with cu_seq_lens_q == "
                              f"cu_seq_lens_k (what DataCollatorWithFlattening makes), got batch size {B}")
         ids = document_ids_from_cu_seqlens(cu.to(query.device, torch.long), total=tq)
     else:
         ids = document_ids_from_position_ids(pos.to(query.device).expand(B, -1))
-    lengths = None
     if not ids[:, -1].any():
-        ids = None
-    else:
-        lengths = {n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()}
-    _derived[:] = [weakref.ref(source), source._version, (B, tq), ids, lengths]
-    return None if ids is None else (ids, lengths)
+        return None
+    return ids, {n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()}
 
 
 def _packed(spec: LayerSpec, full, query, key, value, documents, mask, scaling):
@@ -238,7 +249,7 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
     cached = hasattr(key, FIRST_KEY_POSITION)
     if documents is None and attention_mask is not None and tq == tk and not cached:
-        lengths = _right_padded(attention_mask, tk)
+        lengths = _per_forward(_right_padding_of, attention_mask, tk, lambda: _right_padded(attention_mask, tk))
         if lengths is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in lengths):
             attention_mask = None       # right padding that every row's set allows: the sparse op's rows
     if documents is not None:

@@ -592,7 +592,8 @@ typedef struct {
     i64 offr[FA_MAXG * FA_VL];   /* each dot lane's row offset, lanes in dotv's order */
     i64 noff[FA_MAXG * FA_VL];   /* -offr * D: the element offsets of an unclamped row */
     i64 lane[2 * FA_MAXG * FA_VL];/* tap t's coefficient lane */
-    i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's byte offset -off * D * sizeof(REAL) (tapsums) */
+    i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's byte offset -off * D * sizeof(REAL) (tapsums: its query row) */
+    i64 tpoff[2 * FA_MAXG * FA_VL];/* -tnoff: the reader row's, from the key row (bwd_ktile) */
     i64 tend[FA_MAXG * FA_VL];   /* the taps of columns 0..c */
     int ident;                   /* tap t's coefficient is lane t (no two-tap column) */
     REAL wlo[FA_MAXG * FA_VL], whi[FA_MAXG * FA_VL], idx[FA_MAXG * FA_VL]; /* idx: the column, exact */
@@ -628,13 +629,17 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     for (i64 t = 0; t < L->n1; t++) {
         const i64 c = tp->col[t], g = c / FA_VL;
         const int hi = t > 0 && tp->col[t - 1] == c;
-        L->lane[t] = hi ? L->hig[g] * FA_VL + c % FA_VL : c, L->tnoff[t] = -tp->off[t] * D * (i64)sizeof(REAL);
+        L->lane[t] = hi ? L->hig[g] * FA_VL + c % FA_VL : c;
+        L->tpoff[t] = tp->off[t] * D * (i64)sizeof(REAL), L->tnoff[t] = -L->tpoff[t];
     }
     L->ident = 1;
     for (i64 t = 0; t < L->n1; t++) L->ident &= L->lane[t] == t;
     for (i64 c = 0; c < C1; c++) L->tend[c] = tp->end[c];
     L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
+
+/* tapsums' coefficient lanes of the taps: NULL (lane t) without two-tap columns. */
+FA_INLINE const i64 *SFX(tap_lanes)(const SFX(lanes_t) *L) { return L->ident ? NULL : L->lane; }
 
 /* The column groups that hold a row's nv valid columns (a prefix). */
 FA_INLINE int SFX(ngroups)(i64 nv) { return (int)((nv + FA_VL - 1) / FA_VL); }
@@ -715,8 +720,8 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
         _Pragma("GCC unroll 8") for (int c = 0; c < nc; c++) a[c] += ct * VLD(xr + c * FA_VL);     \
     }
 
-/* Rows [m0, m1) of y += sum_t c_t(m) x[m - off_t] over a row's taps (nm[m - m0] of them, none when -1;
- * n when nm is NULL): tap t's row at byte offset xo[t] = -off_t * D * sizeof(REAL) from row m's;
+/* Rows [m0, m1) of y += sum_t c_t(m) x[row of tap t] over a row's taps (nm[m - m0] of them, none when -1;
+ * n when nm is NULL): tap t's row at byte offset xo[t] from row m's (lanes_t's tnoff or tpoff);
  * coefficients c_t(m) = w[t] * cv[co[t]], cv = cb + (m - m0) * cs (w NULL: 1; co NULL: cv[t]); init: y
  * starts at 0 instead of its stored value. With lims (each row's limit, see the top of this file), a
  * tap past the row's document start reads the start row (only a last valid column's second tap does:
@@ -802,7 +807,7 @@ FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
     const i64 *cl = SFX(block_rows)(lims, nvs, nts, pb, L, i0, i1, C, lo) ? lims : NULL;
     SFX(block_dots)(blk, L, qh, kb, i0, i1, cl, NV);
     SFX(fwd_vmids)(blk, ph, gh, cb, L, nvs, i0, i1, C, scale);
-    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, L->ident ? NULL : L->lane, NULL, 1, L->n1, i0, i1, nts, cl,
+    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, L->n1, i0, i1, nts, cl,
                  NV);
 }
 
@@ -970,7 +975,7 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
                       SFX(ngroups)(nv), C, scale, NV);
     }
-    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, L->ident ? NULL : L->lane, NULL, 1, L->n1, i0, i1, nts, cl,
+    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, L->n1, i0, i1, nts, cl,
                  NV);
 }
 
@@ -980,14 +985,10 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
  * A row at a time with all its taps (tapsums); cix[t] = off * C + col. */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
-                              const SFX(taps_t) *tp, const i64 *restrict cix, i64 m0, i64 m1,
-                              const i64 *restrict nm, i64 C, const int NV) {
-    const i64 D = (i64)NV * FA_VL;
-    i64 n = 0, xo[2 * FA_MAXG * FA_VL];               /* the taps of the row with most (at most a row's lanes) */
-    for (i64 m = m0; m < m1; m++) n = nm[m - m0] > n ? nm[m - m0] : n;
-    for (i64 t = 0; t < n; t++) xo[t] = tp->off[t] * D * (i64)sizeof(REAL);
+                              const SFX(taps_t) *tp, const SFX(lanes_t) *L, const i64 *restrict cix, i64 m0,
+                              i64 m1, const i64 *restrict nm, i64 C, const int NV) {
     for (int side = 0; side < 2; side++)
-        SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, xo, cix,
+        SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, L->tpoff, cix,
                      tp->one ? NULL : tp->w, 0, 0, m0, m1, nm, NULL, NV);
 }
 
@@ -1110,7 +1111,7 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;
         const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh = a->dS + oc;
         FA_WITH_NV(a->nvx, if (NV) {
-            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->cix, i0, i1, nm, C, NV);
+            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->L, a->cix, i0, i1, nm, C, NV);
             for (i64 m = i0; m < i1; m++)
                 if (nm[m - i0] < 0)
                     SFX(bwd_col)(dkb + m * D, dvb + m * D, qh, gh_, ph, dsh, tp, ws, m, pb ? pb[m] == 0 : m == 0,
