@@ -53,15 +53,15 @@ module; either way the layers rebuild their patterns from the saved config.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import UsageError, check_keys
-from ..ops import document_ids_from_cu_seqlens, document_ids_from_position_ids, sparse_attention
+from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
+from .hf_batch import packed_documents, right_padded_lengths
 
 log = logging.getLogger("fibattn")
 
@@ -71,10 +71,6 @@ FIRST_KEY_POSITION = "fibattn_first_key_position"
 SCHEDULES = ("fixed", "linear", "coprime", "custom")
 # what apply_fibattn saves in config.fibattn
 SAVED_KEYS = ("window", "alphas", "reach_len", "backend", "schedule", "base")
-# what was derived from the last batch's position_ids and mask: every layer of a forward gets the same
-# tensors, so each is read (and checked) once a forward; see _per_forward
-_documents_of: list = [None, None, None, None]
-_right_padding_of: list = [None, None, None, None]
 
 
 @dataclass(frozen=True)
@@ -136,20 +132,6 @@ def _masked(dists, query, key, value, pad, scaling):
     return _attend(query, key, value, pattern & pad, scaling)
 
 
-def _right_padded(mask, t: int) -> set[int] | None:
-    """The real lengths of a right-padded batch, or None for any other mask: each row's real keys a prefix
-    and the mask exactly causal over them (what transformers builds). Its real tokens see no padding, so
-    with one set for every length they are the sparse op's rows (its padding rows are not read)."""
-    m = mask[:, 0, :, mask.shape[-1] - t:].to(torch.bool)
-    real = m[:, -1]                                   # the last query sees every real key
-    if (real[:, 1:] & ~real[:, :-1]).any():
-        return None
-    causal = torch.ones(t, t, dtype=torch.bool, device=m.device).tril()
-    if not torch.equal(m, causal & real[:, None, :]):
-        return None
-    return {max(int(n), 1) for n in real.sum(-1).tolist()}
-
-
 def _attend(query, key, value, allowed, scaling):
     """Dense attention through the boolean ``allowed`` ``(B, 1, Tq, Tk)``."""
     tq, tk = query.shape[2], key.shape[2]
@@ -160,45 +142,6 @@ def _attend(query, key, value, allowed, scaling):
     allowed = allowed | (empty & diag)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
                                           enable_gqa=query.shape[1] != key.shape[1])
-
-
-def _per_forward(cache: list, source: torch.Tensor, key, compute):
-    """``compute()``, kept in ``cache`` (a weakref to ``source``, its version, ``key``, the value) until
-    another tensor, a change to it or another ``key`` comes."""
-    ref, version, k, value = cache
-    if ref is not None and ref() is source and version == source._version and k == key:
-        return value
-    value = compute()
-    cache[:] = [weakref.ref(source), source._version, key, value]
-    return value
-
-
-def packed_documents(query, key, kwargs) -> tuple[torch.Tensor, set[int]] | None:
-    """``(document_ids (B, T), their lengths)`` of a packed batch, from ``cu_seq_lens_q`` when given, else from
-    ``position_ids`` that restart; None when every row is one document, or with keys from a cache (``Tq < Tk``,
-    or a :class:`~.hf_cache.FibCache`'s marked keys)."""
-    B, tq = query.shape[0], query.shape[2]
-    cu, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
-    source = cu if cu is not None else pos
-    if source is None or tq != key.shape[2] or hasattr(key, FIRST_KEY_POSITION):
-        return None
-    return _per_forward(_documents_of, source, (B, tq),
-                        lambda: _documents(query, cu, pos, kwargs.get("cu_seq_lens_k")))
-
-
-def _documents(query, cu, pos, cu_k):
-    """:func:`packed_documents` computed (checked: cu_seq_lens for one row, equal for queries and keys)."""
-    B, tq = query.shape[0], query.shape[2]
-    if cu is not None:
-        if B != 1 or (cu_k is not None and not torch.equal(cu_k.cpu(), cu.cpu())):
-            raise UsageError(f"fibattn attention takes cu_seq_lens for one packed row with cu_seq_lens_q == "
-                             f"cu_seq_lens_k (what DataCollatorWithFlattening makes), got batch size {B}")
-        ids = document_ids_from_cu_seqlens(cu.to(query.device, torch.long), total=tq)
-    else:
-        ids = document_ids_from_position_ids(pos.to(query.device).expand(B, -1))
-    if not ids[:, -1].any():
-        return None
-    return ids, {n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()}
 
 
 def _packed(spec: LayerSpec, full, query, key, value, documents, mask, scaling):
@@ -245,11 +188,11 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     tq, tk = query.shape[2], key.shape[2]
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise UsageError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
-    documents = packed_documents(query, key, kwargs)
+    cached = hasattr(key, FIRST_KEY_POSITION)          # keys from a FibCache
+    documents = packed_documents(query, kwargs) if tq == tk and not cached else None
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
-    cached = hasattr(key, FIRST_KEY_POSITION)
     if documents is None and attention_mask is not None and tq == tk and not cached:
-        lengths = _per_forward(_right_padding_of, attention_mask, tk, lambda: _right_padded(attention_mask, tk))
+        lengths = right_padded_lengths(attention_mask, tk)
         if lengths is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in lengths):
             attention_mask = None       # right padding that every row's set allows: the sparse op's rows
     if documents is not None:
