@@ -136,14 +136,28 @@ def remote(tmp_path_factory):
         del sys.modules[name]
 
 
+def test_each_folder_runs_its_own_code(remote):
+    """Two export folders loaded in one process (the second after the first): each model's attention and mask
+    functions are its own folder's copy, not the last one loaded (versions of the code may differ)."""
+    from fibattn.interop.hf_remote import modeling_fibattn_llama as template
+    names = {template.IMPL}
+    for _, model in remote.values():
+        impl, own = model.config._attn_implementation, type(model).__module__
+        assert transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[impl].__module__ == own
+        assert transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[impl].__module__ == own
+        names.add(impl)
+    assert len(names) == 3
+    assert transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[template.IMPL].__module__ == template.__name__
+
+
 @pytest.mark.parametrize("base", ["fib", "pow2"])
 @pytest.mark.parametrize("op", [True, False], ids=["fibattn op", "own pattern"])
 def test_remote_code_packed(remote, base, op, monkeypatch):
     fib, model = remote[base]
-    # the attention function is registered by name: the last folder loaded serves both models
+    # each folder's model runs its own copy's attention (transformers looks it up by name, process-wide)
     attention = transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     code = sys.modules[attention.__module__]
-    assert code.__name__.startswith("transformers_modules")          # the folder's copy, not fibattn's template
+    assert code is sys.modules[type(model).__module__] and code.__name__.startswith("transformers_modules")
     calls = []
     monkeypatch.setattr(code, "sparse_attention", recording(calls) if op else None)   # None: as where fibattn is not installed
     docs = documents((20, 3, 40, 9))

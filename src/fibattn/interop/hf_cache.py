@@ -57,7 +57,7 @@ except ImportError as exc:                    # no transformers, or one without 
 
 
 # the attention of `fibattn export --format hf` remote code (hf_remote): it reads the same key marks
-REMOTE_IMPL = "fibattn_llama"
+REMOTE_IMPL = "fibattn_llama"   # the remote code's names start with it (one per loaded copy)
 
 
 class FibCacheLayer(DynamicLayer):
@@ -116,7 +116,7 @@ class FibCacheLayer(DynamicLayer):
 
 def _specs(model) -> list[LayerSpec]:
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if impl not in (IMPL_NAME, REMOTE_IMPL):
+    if impl != IMPL_NAME and not str(impl).startswith(REMOTE_IMPL):
         raise UsageError(f"FibCache needs a model switched to fibattn (apply_fibattn or hf_llama.from_pretrained) "
                          f"or an `export --format hf` model loaded with trust_remote_code=True; its "
                          f"attn_implementation is {impl!r}")

@@ -31,6 +31,7 @@ with the generated length; fibattn's ``FibCache`` works here too (both mark the 
 position of its first kept key).
 """
 import difflib
+import hashlib
 import inspect
 
 import torch
@@ -50,7 +51,9 @@ except ImportError:
 # an older fibattn's op knows no packed documents: they take the gathered path
 DOCUMENTS_OP = sparse_attention is not None and "document_ids" in inspect.signature(sparse_attention).parameters
 
-IMPL = "fibattn_llama"
+# transformers looks attention functions up by name in one table for the whole process: a name of this copy's
+# own (each export folder loads its own copy) keeps a model from running another folder's code, loaded later
+IMPL = "fibattn_llama_" + hashlib.sha256(f"{__name__} {__file__}".encode()).hexdigest()[:12]
 SETTINGS = ("alphas", "backend", "base", "reach_len", "schedule", "window")   # what hf_llama.apply_fibattn saves
 FIRST_KEY_POSITION = "fibattn_first_key_position"   # same name as fibattn.interop.hf_llama's: FibCache marks it
 
