@@ -194,3 +194,70 @@ def test_right_padded_batch_gives_the_unpadded_outputs(kw, monkeypatch):
     torch.testing.assert_close(out[0, :n], want_x[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1], want_y[0], atol=1e-5, rtol=1e-5)
     assert bool(calls) == (kw.get("base") == "pow2")
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["positions run on", "positions restart"])
+@pytest.mark.parametrize("kw", [dict(window=3), dict(window=2, base="pow2", schedule="fixed", alpha=0.5)])
+def test_padded_batches_run_the_sparse_op_on_a_2d_mask(kw, restart, monkeypatch):
+    """Rows padded on the left, on both sides and on the right: transformers hands the attention the 2-D padding
+    mask (no T x T mask is built), and with fib every row runs on the sparse op as documents (the dense path is
+    not called); pow2 with alpha < 1 keeps each row's own set through it. Each row's real tokens get their
+    unpadded outputs. A gap inside a row's real tokens takes the dense path."""
+    from fibattn.interop import hf_llama as H
+    m = apply_fibattn(llama(), **kw).eval()
+    x, y, z = ids(1, 20), ids(1, 30, seed=2), ids(1, 40, seed=3)
+    pad = lambda n: torch.zeros(1, n, dtype=torch.long)                       # noqa: E731
+    batch = torch.cat([torch.cat([pad(20), x], 1), torch.cat([pad(4), y, pad(6)], 1), z], 0)
+    mask = torch.ones_like(batch)
+    mask[0, :20] = mask[1, :4] = mask[1, 34:] = 0
+    kwargs = dict(attention_mask=mask)
+    if restart:                                               # as generate makes them: each pad its own document
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    attend, key_padding, calls, dims = H._attend, H.key_padding, [], []
+    monkeypatch.setattr(H, "_attend", lambda *a: calls.append(1) or attend(*a))
+    monkeypatch.setattr(H, "key_padding", lambda mask, *a: dims.append(mask.dim()) or key_padding(mask, *a))
+    with torch.no_grad():
+        out = m(batch, **kwargs).logits
+        want = [m(r).logits[0] for r in (x, y, z)]
+    assert not torch.isnan(out).any() and set(dims) == {2}
+    for got, ref in zip((out[0, 20:], out[1, 4:34], out[2]), want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert bool(calls) == (kw.get("base") == "pow2")
+    calls.clear()
+    mask[1, 15] = 0                                           # a gap: the tokens before it are still y's
+    with torch.no_grad():
+        out = m(batch, attention_mask=mask).logits
+    assert calls and not torch.isnan(out).any()
+    torch.testing.assert_close(out[1, 4:15], want[1][:11], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_mask_is_2d_for_the_causal_mask_only():
+    from transformers import masking_utils as mu
+
+    from fibattn.interop.hf_batch import padding_mask
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    kw = dict(batch_size=2, q_length=3, kv_length=3, q_offset=2, kv_offset=2, attention_mask=pad,
+              allow_is_causal_skip=True, dtype=torch.float32, device=pad.device)
+    assert padding_mask(mask_function=mu.causal_mask_function, **kw) is None     # the window holds no padding
+    got = padding_mask(mask_function=mu.causal_mask_function, **dict(kw, q_length=5, kv_length=5, q_offset=0,
+                                                                        kv_offset=0))
+    assert torch.equal(got, pad)
+    other = mu.sliding_window_causal_mask_function(2)
+    want = mu.sdpa_mask(mask_function=other, **dict(kw, q_offset=0, kv_offset=0, q_length=5, kv_length=5))
+    assert torch.equal(padding_mask(mask_function=other, **dict(kw, q_offset=0, kv_offset=0, q_length=5,
+                                                                kv_length=5)), want)
+
+
+def test_a_pad_inside_a_packed_document_stays_hidden():
+    """Packed documents (restarting positions) with a pad that joins the second document: its mask must still
+    hide the pad from that document's tokens, which then get the logits of the document alone."""
+    m = apply_fibattn(llama(), window=3).eval()
+    a, b = ids(1, 10), ids(1, 9, seed=2)
+    row = torch.cat([a, torch.zeros(1, 1, dtype=torch.long), b], 1)
+    pos = torch.cat([torch.arange(10), torch.arange(10)])[None]            # the pad at 0, then b at 1 .. 9
+    mask = torch.ones_like(row)
+    mask[0, 10] = 0
+    with torch.no_grad():
+        out = m(row, attention_mask=mask, position_ids=pos).logits[0]
+        torch.testing.assert_close(out[:10], m(a).logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[11:], m(b).logits[0], atol=1e-5, rtol=1e-5)

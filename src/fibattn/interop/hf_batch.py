@@ -1,5 +1,6 @@
 """What a transformers batch's ``position_ids`` and attention mask say about its rows, for
-:mod:`fibattn.interop.hf_llama`: packed documents (padding-free batches) and right padding.
+:mod:`fibattn.interop.hf_llama`: packed documents (padding-free batches) and padding; and the compact mask
+function that keeps transformers from building a T x T mask for a padded batch.
 
 Every layer of a forward gets the same tensors, so each is read (and checked) once a forward: the result is
 kept against the tensor it came from (a weakref and its version) until another comes.
@@ -14,7 +15,8 @@ from ..checks import UsageError
 from ..ops import document_ids_from_cu_seqlens, document_ids_from_position_ids
 
 _documents_of: list = [None, None, None, None]
-_right_padding_of: list = [None, None, None, None]
+_key_padding_of: list = [None, None, None, None]
+_padded_rows_of: list = [None, None, None, None]
 
 
 def _per_forward(cache: list, source: torch.Tensor, key, compute):
@@ -54,19 +56,63 @@ def _documents(query, cu, pos, cu_k):
     return ids, {n for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1].tolist()}
 
 
-def right_padded_lengths(mask, t: int) -> set[int] | None:
-    """The real lengths of a right-padded batch, or None for any other boolean ``mask`` ``(B, 1, t, >= t)``:
-    each row's real keys a prefix and the mask exactly causal over them (what transformers builds). Its
-    real tokens see no padding, so with one set for every length they are the sparse op's rows."""
-    return _per_forward(_right_padding_of, mask, t, lambda: _right_padded(mask, t))
+def padding_mask(*args, **kwargs):
+    """transformers' mask function for fibattn (``AttentionMaskInterface``): for the plain causal mask, the 2-D
+    padding of the keys handed over ``(B, kv_length)`` (None when nothing is padded) instead of a
+    ``(B, 1, Tq, Tk)`` mask, so no T x T mask is built; the attention adds the causal part. Any other mask
+    function (packed sequences, overlays) gets transformers' own boolean mask."""
+    from transformers import masking_utils as mu
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("mask_function", mu.causal_mask_function) is not mu.causal_mask_function or args:
+        return mu.sdpa_mask(*args, **kwargs)
+    if mask is None:
+        return None
+    n, offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
+    if mask.shape[-1] < offset + n:      # as transformers does: keys past the mask are not seen
+        mask = torch.nn.functional.pad(mask, (0, offset + n - mask.shape[-1]))
+    mask = mask[:, offset:offset + n].to(torch.bool)
+    return None if bool(mask.all()) else mask
 
 
-def _right_padded(mask, t: int) -> set[int] | None:
-    m = mask[:, 0, :, mask.shape[-1] - t:].to(torch.bool)
+def key_padding(mask, tq: int, tk: int) -> torch.Tensor | None:
+    """``(B, tk)``: which of the last ``tk`` keys are real, from a 2-D padding mask (:func:`padding_mask`) or a
+    ``(B, 1, tq, >= tk)`` boolean mask that is exactly causal over them (what transformers builds); None for any
+    other mask. The queries are the last ``tq`` keys' positions."""
+    return _per_forward(_key_padding_of, mask, (tq, tk), lambda: mask[:, mask.shape[-1] - tk:] if mask.dim() == 2
+                        else _from_4d(mask, tq, tk))
+
+
+def _from_4d(mask, tq: int, tk: int):
+    m = mask[:, 0, :, mask.shape[-1] - tk:]
     real = m[:, -1]                                   # the last query sees every real key
-    if (real[:, 1:] & ~real[:, :-1]).any():
-        return None
-    causal = torch.ones(t, t, dtype=torch.bool, device=m.device).tril()
-    if not torch.equal(m, causal & real[:, None, :]):
-        return None
-    return {max(int(n), 1) for n in real.sum(-1).tolist()}
+    return real if torch.equal(m, causal(tq, tk, m.device) & real[:, None, :]) else None
+
+
+def causal(tq: int, tk: int, device) -> torch.Tensor:
+    """``(tq, tk)`` bool: the queries (the last ``tq`` keys' positions) see the keys up to their own."""
+    return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
+
+
+def padded_rows(real) -> tuple[torch.Tensor, set[int]] | None:
+    """``(document_ids (B, T), real lengths)`` when each row's real tokens are one run (left, right or both
+    sides padded): padding before the run, the run and padding after it as three documents, so the run's
+    tokens see each other only, as if unpadded (RoPE sees relative positions only). None otherwise."""
+    return _per_forward(_padded_rows_of, real, None, lambda: _runs(real))
+
+
+def _runs(real):
+    T = real.shape[-1]
+    pos = torch.arange(T, device=real.device)
+    n = real.sum(-1)
+    first = torch.where(real, pos, T).amin(-1)
+    last = torch.where(real, pos, -1).amax(-1)
+    if bool((n != (last - first + 1).clamp(min=0)).any()):
+        return None                                   # a gap inside a row's real tokens
+    ids = (pos >= first[:, None]).long() + (pos > last[:, None]).long()
+    return ids, {max(int(x), 1) for x in n.tolist()}
+
+
+def pads_apart(ids, real) -> bool:
+    """No document of ``ids`` ``(B, T)`` holds both real tokens and padding (``real`` ``(B, T)``): the real
+    documents see no padding."""
+    return not bool(((real[:, 1:] != real[:, :-1]) & (ids[:, 1:] == ids[:, :-1])).any())

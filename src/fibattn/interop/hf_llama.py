@@ -19,12 +19,15 @@ Layout, as transformers passes it: query ``(B, H, Tq, Dh)``, key/value ``(B, Hkv
 
 Semantics: the query at position ``i`` attends keys ``i - d`` for ``d`` in the layer's
 ``attended_distances(window, alpha, base, T, reach=reach_len)``, ``T`` the sequence length so
-far. Without a cache or padding (``Tq == Tk``) this is :func:`fibattn.sparse_attention`
-(O(T·|D|)); so is a right-padded batch whose rows' lengths all have the set at T cut to them (its
-real tokens see no padding; the outputs at its pads are not the masked path's, and nothing reads
-them). With a cache (``Tq < Tk``, generation) or another padded batch (``attention_mask``), the
-queries attend through the sparse boolean pattern combined with transformers' padding mask:
-exact (a left-padded row gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
+far. Without a cache (``Tq == Tk``) this is :func:`fibattn.sparse_attention` (O(T·|D|)), padded
+batches included: fibattn's mask function (:func:`~.hf_batch.padding_mask`) hands over the 2-D
+padding mask, never a T x T one, and a row whose real tokens are one run (padded on the left, the
+right or both) is three documents, the pads before, the run, the pads after, so its real tokens see
+only each other, as unpadded. That needs every row's length to have the set at T cut to it; the
+outputs at pads are not the dense path's, and nothing reads them. With a cache (``Tq < Tk``,
+generation), other sets or a mask with a gap inside a row, the queries attend through the sparse
+boolean pattern combined with the padding: exact (a left-padded row gives its real tokens the
+outputs of the unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
 
 Packed documents (padding-free batches, ``DataCollatorWithFlattening``): transformers passes the
@@ -61,7 +64,7 @@ import torch.nn.functional as F
 from ..checks import UsageError, check_keys
 from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
-from .hf_batch import packed_documents, right_padded_lengths
+from .hf_batch import causal, key_padding, packed_documents, padded_rows, padding_mask, pads_apart
 
 log = logging.getLogger("fibattn")
 
@@ -189,12 +192,20 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise UsageError(f"fibattn attention takes a boolean attention mask, got {attention_mask.dtype}")
     cached = hasattr(key, FIRST_KEY_POSITION)          # keys from a FibCache
-    documents = packed_documents(query, kwargs) if tq == tk and not cached else None
+    fresh = tq == tk and not cached
+    documents = packed_documents(query, kwargs) if fresh else None
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
-    if documents is None and attention_mask is not None and tq == tk and not cached:
-        lengths = right_padded_lengths(attention_mask, tk)
-        if lengths is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in lengths):
-            attention_mask = None       # right padding that every row's set allows: the sparse op's rows
+    real = None if attention_mask is None or not fresh else key_padding(attention_mask, tq, tk)
+    if real is not None and documents is not None and pads_apart(documents[0], real):
+        attention_mask = None       # the pads are documents of their own (left padding, restarting positions)
+    rows = padded_rows(real) if real is not None and documents is None else None
+    if rows is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in rows[1]):
+        # each row's real tokens one run, with the set at T cut to its length: the sparse op's documents
+        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend, document_ids=rows[0])
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None and attention_mask.dim() == 2:       # padding_mask's: add the causal part
+        pad = attention_mask[:, None, attention_mask.shape[-1] - tk:]
+        attention_mask = (causal(tq, tk, query.device) & pad)[:, None]
     if documents is not None:
         out = _packed(spec, dists, query, key, value, documents, attention_mask, scaling)
     elif attention_mask is not None:
@@ -217,8 +228,8 @@ def register() -> None:
                           f"{transformers.__version__}")
     transformers.AttentionInterface.register(IMPL_NAME, fibattn_attention)
     masks = getattr(getattr(transformers, "masking_utils", None), "AttentionMaskInterface", None)
-    if masks is not None:                  # boolean (B, 1, Tq, Tk) masks, None when nothing is padded
-        masks.register(IMPL_NAME, transformers.masking_utils.sdpa_mask)
+    if masks is not None:                  # the 2-D padding mask, None when nothing is padded: never T x T
+        masks.register(IMPL_NAME, padding_mask)
 
 
 def attention_modules(model) -> list:
