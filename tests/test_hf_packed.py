@@ -73,6 +73,38 @@ def test_flattened_batch_gives_each_documents_own_logits(fib, monkeypatch):
     assert len(calls) == (0 if fib.get("base") == "pow2" else 4 * 2)
 
 
+def test_packed_batches_build_no_t_by_t_mask(monkeypatch):
+    """transformers' packed-sequence mask (it makes one without a cache) is deferred: the attention reads it at its
+    own columns only, finds that it hides nothing inside a document, and no (B, 1, T, T) mask is built."""
+    built, sdpa = [], transformers.masking_utils.sdpa_mask
+    monkeypatch.setattr(transformers.masking_utils, "sdpa_mask", lambda *a, **k: built.append(1) or sdpa(*a, **k))
+    docs = documents()
+    batch = flattened(docs)
+    batch.pop("labels")
+    for fib in SETTINGS:
+        model = llama(**fib)
+        with torch.no_grad():
+            got = model(**batch, use_cache=False).logits[0]
+        torch.testing.assert_close(got, separate(model, docs), atol=ATOL, rtol=RTOL)
+    assert not built
+
+
+def test_a_deferred_mask_that_hides_a_key_is_built():
+    from transformers import masking_utils as mu
+
+    from fibattn.interop.hf_batch import DeferredMask
+    ids = torch.tensor([[0] * 5 + [1] * 6])
+    packed = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(ids))
+    assert not DeferredMask(dict(mask_function=packed)).hides(ids, [0, 1, 2, 4, 9])
+    for hidden in (lambda b, h, q, kv: kv != 7, lambda b, h, q, kv: q - kv != 4):
+        assert DeferredMask(dict(mask_function=mu.and_masks(packed, hidden))).hides(ids, [0, 1, 2, 4])
+    # a hidden key at a distance no query's document reaches (10) or that is not in the set (3) is not read
+    assert not DeferredMask(dict(mask_function=mu.and_masks(packed, lambda b, h, q, kv: q - kv != 10))).hides(
+        ids, [0, 1, 2, 4, 10])
+    assert not DeferredMask(dict(mask_function=mu.and_masks(packed, lambda b, h, q, kv: q - kv != 3))).hides(
+        ids, [0, 1, 2, 4])
+
+
 def test_training_loss_and_gradients_match_separate_documents():
     model, docs = llama(**SETTINGS[1]), documents((9, 17, 11))
     batch = flattened(docs, return_flash_attn_kwargs=True)

@@ -60,11 +60,14 @@ def padding_mask(*args, **kwargs):
     """transformers' mask function for fibattn (``AttentionMaskInterface``): for the plain causal mask, the 2-D
     padding of the keys handed over ``(B, kv_length)`` (None when nothing is padded) instead of a
     ``(B, 1, Tq, Tk)`` mask, so no T x T mask is built; the attention adds the causal part. Any other mask
-    function (packed sequences, overlays) gets transformers' own boolean mask."""
+    function (packed sequences, overlays) gets transformers' own boolean mask; over a whole unpadded batch without
+    a cache (packed sequences), a :class:`DeferredMask` of it."""
     from transformers import masking_utils as mu
     mask = kwargs.get("attention_mask")
     if kwargs.get("mask_function", mu.causal_mask_function) is not mu.causal_mask_function or args:
-        return mu.sdpa_mask(*args, **kwargs)
+        whole = (not args and mask is None and kwargs.get("use_vmap") is False and kwargs.get("q_offset") == 0
+                 and kwargs.get("kv_offset") == 0 and kwargs.get("q_length") == kwargs.get("kv_length"))
+        return DeferredMask(kwargs) if whole else mu.sdpa_mask(*args, **kwargs)
     if mask is None:
         return None
     n, offset = kwargs["kv_length"], kwargs.get("kv_offset", 0)
@@ -72,6 +75,37 @@ def padding_mask(*args, **kwargs):
         mask = torch.nn.functional.pad(mask, (0, offset + n - mask.shape[-1]))
     mask = mask[:, offset:offset + n].to(torch.bool)
     return None if bool(mask.all()) else mask
+
+
+class DeferredMask:
+    """transformers' boolean mask ``(B, 1, T, T)`` for another mask function than the plain causal one (packed
+    sequences), not built until the attention needs it whole: the sparse op reads it at its own columns only."""
+
+    dtype = torch.bool
+
+    def __init__(self, kwargs: dict):
+        self.kwargs = kwargs
+
+    def dim(self) -> int:
+        return 4
+
+    def build(self) -> torch.Tensor:
+        from transformers import masking_utils as mu
+        return mu.sdpa_mask(**self.kwargs)
+
+    def hides(self, ids, dists) -> bool:
+        """Whether it hides a key at one of ``dists`` from a query whose document (``ids`` ``(B, T)``) holds it."""
+        B, T = ids.shape
+        pos = torch.arange(T, device=ids.device)
+        start = torch.ones_like(ids, dtype=torch.bool)
+        start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        off = pos - torch.where(start, pos, 0).cummax(-1).values           # position inside the document
+        d = torch.tensor(sorted(dists), device=ids.device)
+        q = pos[None, :, None].expand(B, T, len(d))
+        inside = d <= off[..., None]
+        batch, head = torch.arange(B, device=ids.device)[:, None, None], torch.zeros((), dtype=torch.long)
+        seen = self.kwargs["mask_function"](batch, head.to(ids.device), q, (q - d).clamp(min=0))
+        return bool((inside & ~seen.to(torch.bool)).any())
 
 
 def key_padding(mask, tq: int, tk: int) -> torch.Tensor | None:

@@ -37,7 +37,8 @@ restart (a document starts wherever the position does not continue the previous 
 transformers' own packed-sequence mask reads them). Each query then attends inside its document
 through the set of that document's length, so every document gets the logits of its own
 unpadded call: on :func:`fibattn.sparse_attention` with ``document_ids`` where one set serves
-every document, else through a boolean pattern. A padding mask still hides its keys, and a
+every document, else through a boolean pattern. transformers' own packed-sequence mask (made
+without a cache) comes as a :class:`~.hf_batch.DeferredMask`, read at the attended columns only. A padding mask still hides its keys, and a
 document's length counts its real tokens (a left-padded row, whose pads restart the positions,
 is such a batch).
 
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 from ..checks import UsageError, check_keys
 from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
-from .hf_batch import causal, key_padding, packed_documents, padded_rows, padding_mask, pads_apart
+from .hf_batch import DeferredMask, causal, key_padding, packed_documents, padded_rows, padding_mask, pads_apart
 
 log = logging.getLogger("fibattn")
 
@@ -195,6 +196,10 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     fresh = tq == tk and not cached
     documents = packed_documents(query, kwargs) if fresh else None
     dists = spec.distances(getattr(key, FIRST_KEY_POSITION, 0) + tk)     # D at the length so far
+    if isinstance(attention_mask, DeferredMask):  # packed sequences: whole only where documents do not tell it all
+        used = set(dists).union(*(spec.distances(n) for n in documents[1])) if documents is not None else None
+        attention_mask = None if used is not None and not attention_mask.hides(documents[0], used) \
+            else attention_mask.build()
     real = None if attention_mask is None or not fresh else key_padding(attention_mask, tq, tk)
     if real is not None and documents is not None and pads_apart(documents[0], real):
         attention_mask = None       # the pads are documents of their own (left padding, restarting positions)
