@@ -176,33 +176,41 @@ def test_left_padded_batch_gives_the_unpadded_outputs(kw):
 
 @pytest.mark.parametrize("kw", [dict(window=3), dict(window=2, base="pow2", schedule="fixed", alpha=0.5)])
 def test_right_padded_batch_gives_the_unpadded_outputs(kw, monkeypatch):
-    """fib: every length's set is the set at T cut to it, so the sparse op serves the batch (the masked path is
-    not called); pow2 with alpha < 1 gains short distances as the length grows, so the short row keeps its own
-    set through the masked path. Either way the real tokens get their unpadded outputs."""
+    """The sparse op serves the batch, the masked path is not called. fib: every length's set is the set at T
+    cut to it, one call a layer; pow2 with alpha < 1 gains short distances as the length grows, so the short
+    row takes its own set, in a call of its own. Either way the real tokens get their unpadded outputs."""
+    from fibattn.interop import hf_documents as D
     from fibattn.interop import hf_llama as H
     m = apply_fibattn(llama(), **kw).eval()
     x, y, n = ids(1, 12), ids(1, 46, seed=2), 12
     batch = torch.cat([torch.cat([x, torch.zeros(1, 46 - n, dtype=torch.long)], 1), y], 0)
     mask = torch.ones_like(batch)
     mask[0, n:] = 0
-    masked, calls = H._masked, []
+    masked, op, calls, sets = H._masked, D.sparse_attention, [], []
     monkeypatch.setattr(H, "_masked", lambda *a: calls.append(1) or masked(*a))
+    monkeypatch.setattr(D, "sparse_attention",
+                        lambda q, k, v, d, **kw: sets.append((q.shape[0], d)) or op(q, k, v, d, **kw))
     with torch.no_grad():
         out = m(batch, attention_mask=mask).logits
+    assert not calls and len(sets) == 3 * (2 if kw.get("base") == "pow2" else 1)
+    if kw.get("base") == "pow2":
+        assert sets[:2] == [(1, m.model.layers[0].self_attn.fibattn_spec.distances(n)),
+                            (1, m.model.layers[0].self_attn.fibattn_spec.distances(46))]
+    with torch.no_grad():
         want_x, want_y = m(x).logits, m(y).logits
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out[0, :n], want_x[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1], want_y[0], atol=1e-5, rtol=1e-5)
-    assert bool(calls) == (kw.get("base") == "pow2")
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["positions run on", "positions restart"])
 @pytest.mark.parametrize("kw", [dict(window=3), dict(window=2, base="pow2", schedule="fixed", alpha=0.5)])
 def test_padded_batches_run_the_sparse_op_on_a_2d_mask(kw, restart, monkeypatch):
     """Rows padded on the left, on both sides and on the right: transformers hands the attention the 2-D padding
-    mask (no T x T mask is built), and with fib every row runs on the sparse op as documents (the dense path is
-    not called); pow2 with alpha < 1 keeps each row's own set through it. Each row's real tokens get their
-    unpadded outputs. A gap inside a row's real tokens takes the dense path."""
+    mask (no T x T mask is built), and every row runs on the sparse op as documents, through its own set (the
+    dense path is not called). Each row's real tokens get their unpadded outputs. A gap inside a row's real
+    tokens takes the dense path."""
+    from fibattn.interop import hf_documents as D
     from fibattn.interop import hf_llama as H
     m = apply_fibattn(llama(), **kw).eval()
     x, y, z = ids(1, 20), ids(1, 30, seed=2), ids(1, 40, seed=3)
@@ -213,8 +221,9 @@ def test_padded_batches_run_the_sparse_op_on_a_2d_mask(kw, restart, monkeypatch)
     kwargs = dict(attention_mask=mask)
     if restart:                                               # as generate makes them: each pad its own document
         kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-    attend, key_padding, calls, dims = H._attend, H.key_padding, [], []
-    monkeypatch.setattr(H, "_attend", lambda *a: calls.append(1) or attend(*a))
+    attend, key_padding, calls, dims = D.attend, H.key_padding, [], []
+    for module in (D, H):                                     # the packed and padded paths; the masked one
+        monkeypatch.setattr(module, "attend", lambda *a: calls.append(1) or attend(*a))
     monkeypatch.setattr(H, "key_padding", lambda mask, *a: dims.append(mask.dim()) or key_padding(mask, *a))
     with torch.no_grad():
         out = m(batch, **kwargs).logits
@@ -222,7 +231,7 @@ def test_padded_batches_run_the_sparse_op_on_a_2d_mask(kw, restart, monkeypatch)
     assert not torch.isnan(out).any() and set(dims) == {2}
     for got, ref in zip((out[0, 20:], out[1, 4:34], out[2]), want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    assert bool(calls) == (kw.get("base") == "pow2")
+    assert not calls
     calls.clear()
     mask[1, 15] = 0                                           # a gap: the tokens before it are still y's
     with torch.no_grad():
@@ -261,3 +270,20 @@ def test_a_pad_inside_a_packed_document_stays_hidden():
         out = m(row, attention_mask=mask, position_ids=pos).logits[0]
         torch.testing.assert_close(out[:10], m(a).logits[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out[11:], m(b).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_with_their_own_sets_give_the_unpadded_gradients():
+    """pow2 with alpha < 1: the rows of a padded batch take their own sets in calls of their own; the gradients
+    of a loss over the real tokens equal those of the rows run alone."""
+    m = apply_fibattn(llama(), window=2, base="pow2", schedule="fixed", alpha=0.5)
+    x, y = ids(1, 9), ids(1, 30, seed=2)
+    batch = torch.cat([torch.cat([torch.zeros(1, 21, dtype=torch.long), x], 1), y], 0)
+    mask = torch.ones_like(batch)
+    mask[0, :21] = 0
+    out = m(batch, attention_mask=mask).logits
+    (out[0, 21:].square().sum() + out[1].square().sum()).backward()
+    got = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    (m(x).logits.square().sum() + m(y).logits.square().sum()).backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=1e-4, rtol=1e-4, msg=n)

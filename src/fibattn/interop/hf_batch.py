@@ -127,9 +127,9 @@ def causal(tq: int, tk: int, device) -> torch.Tensor:
     return torch.ones(tq, tk, dtype=torch.bool, device=device).tril(tk - tq)
 
 
-def padded_rows(real) -> tuple[torch.Tensor, set[int]] | None:
-    """``(document_ids (B, T), real lengths)`` when each row's real tokens are one run (left, right or both
-    sides padded): padding before the run, the run and padding after it as three documents, so the run's
+def padded_rows(real) -> tuple[torch.Tensor, list[int]] | None:
+    """``(document_ids (B, T), each row's real length)`` when each row's real tokens are one run (left, right or
+    both sides padded): padding before the run, the run and padding after it as three documents, so the run's
     tokens see each other only, as if unpadded (RoPE sees relative positions only). None otherwise."""
     return _per_forward(_padded_rows_of, real, None, lambda: _runs(real))
 
@@ -143,7 +143,7 @@ def _runs(real):
     if bool((n != (last - first + 1).clamp(min=0)).any()):
         return None                                   # a gap inside a row's real tokens
     ids = (pos >= first[:, None]).long() + (pos > last[:, None]).long()
-    return ids, {max(int(x), 1) for x in n.tolist()}
+    return ids, [max(int(x), 1) for x in n.tolist()]
 
 
 def pads_apart(ids, real) -> bool:

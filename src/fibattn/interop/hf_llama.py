@@ -23,11 +23,11 @@ far. Without a cache (``Tq == Tk``) this is :func:`fibattn.sparse_attention` (O(
 batches included: fibattn's mask function (:func:`~.hf_batch.padding_mask`) hands over the 2-D
 padding mask, never a T x T one, and a row whose real tokens are one run (padded on the left, the
 right or both) is three documents, the pads before, the run, the pads after, so its real tokens see
-only each other, as unpadded. That needs every row's length to have the set at T cut to it; the
-outputs at pads are not the dense path's, and nothing reads them. With a cache (``Tq < Tk``,
-generation), other sets or a mask with a gap inside a row, the queries attend through the sparse
-boolean pattern combined with the padding: exact (a left-padded row gives its real tokens the
-outputs of the unpadded prompt), O(Tq·Tk).
+only each other, as unpadded, through the set of its own length (a call per distinct set where
+they differ, :mod:`~.hf_documents`); the outputs at pads are not the dense path's, and nothing
+reads them. With a cache (``Tq < Tk``, generation) or a mask with a gap inside a row, the queries
+attend through the sparse boolean pattern combined with the padding: exact (a left-padded row
+gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
 
 Packed documents (padding-free batches, ``DataCollatorWithFlattening``): transformers passes the
@@ -36,11 +36,12 @@ attention function ``cu_seq_lens_q``/``cu_seq_lens_k`` (FlashAttention's varlen 
 restart (a document starts wherever the position does not continue the previous one, as
 transformers' own packed-sequence mask reads them). Each query then attends inside its document
 through the set of that document's length, so every document gets the logits of its own
-unpadded call: on :func:`fibattn.sparse_attention` with ``document_ids`` where one set serves
-every document, else through a boolean pattern. transformers' own packed-sequence mask (made
-without a cache) comes as a :class:`~.hf_batch.DeferredMask`, read at the attended columns only. A padding mask still hides its keys, and a
-document's length counts its real tokens (a left-padded row, whose pads restart the positions,
-is such a batch).
+unpadded call: on :func:`fibattn.sparse_attention` with ``document_ids``, a call per distinct set
+(:mod:`~.hf_documents`); a mask that hides keys inside a document takes a boolean pattern.
+transformers' own packed-sequence mask (made without a cache) comes as a
+:class:`~.hf_batch.DeferredMask`, read at the attended columns only. A padding mask still hides
+its keys, and a document's length counts its real tokens (a left-padded row, whose pads restart
+the positions, is such a batch).
 
 Generation: ``model.generate`` keeps transformers' full cache by default, so memory grows with
 the context. ``model.generate(..., cache=FibCache(model, context=...))`` with
@@ -66,6 +67,7 @@ from ..checks import UsageError, check_keys
 from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
 from .hf_batch import DeferredMask, causal, key_padding, packed_documents, padded_rows, padding_mask, pads_apart
+from .hf_documents import attend, packed, padded
 
 log = logging.getLogger("fibattn")
 
@@ -133,51 +135,7 @@ def _masked(dists, query, key, value, pad, scaling):
         pattern = torch.stack([_cached_mask(dists(int(n)), tq, tk, query.device) for n in lengths])[:, None]
     else:
         pattern = _cached_mask(dists, tq, tk, query.device)[None, None]
-    return _attend(query, key, value, pattern & pad, scaling)
-
-
-def _attend(query, key, value, allowed, scaling):
-    """Dense attention through the boolean ``allowed`` ``(B, 1, Tq, Tk)``."""
-    tq, tk = query.shape[2], key.shape[2]
-    # a padding query may see no key at all: let it see itself so no NaN reaches the real tokens
-    empty = ~allowed.any(-1, keepdim=True)
-    diag = torch.zeros_like(allowed)
-    diag[..., torch.arange(tq), torch.arange(tk - tq, tk)] = True
-    allowed = allowed | (empty & diag)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling,
-                                          enable_gqa=query.shape[1] != key.shape[1])
-
-
-def _packed(spec: LayerSpec, full, query, key, value, documents, mask, scaling):
-    """Packed documents (``Tq == Tk``, ``full`` the set at T): each query attends inside its own document through
-    the set of the document's real length -- what the document gives on its own. ``mask``: boolean, or None."""
-    ids, lengths = documents
-    T, dev = query.shape[2], query.device
-    pos = torch.arange(T, device=dev)
-    seen = inside = None
-    if mask is not None:
-        inside = _inside(ids, pos)
-        seen = inside & mask[:, 0, :, -T:]
-    # transformers' own packed mask hides nothing inside a document; one set must serve every length
-    if (seen is None or torch.equal(seen, inside)) and all(spec.distances(n) == [d for d in full if d < n]
-                                                            for n in lengths):
-        return sparse_attention(query, key, value, full, scale=scaling, backend=spec.backend, document_ids=ids)
-    seen = _inside(ids, pos) if seen is None else seen
-    # a document's real length: the keys its last token sees (a padding mask hides its pads)
-    end = torch.ones_like(ids, dtype=torch.bool)
-    end[:, :-1] = ids[:, 1:] != ids[:, :-1]
-    last = torch.where(end, pos, T).flip(-1).cummin(-1).values.flip(-1)
-    real = seen.sum(-1).gather(1, last)
-    gap = pos[:, None] - pos[None, :]
-    pattern = torch.zeros_like(seen)
-    for n in real.unique().tolist():
-        pattern |= (real == n)[..., None] & torch.isin(gap, torch.tensor(spec.distances(max(n, 1)), device=dev))
-    return _attend(query, key, value, (pattern & seen)[:, None], scaling)
-
-
-def _inside(ids, pos):
-    """``(B, T, T)``: key ``j`` is in query ``i``'s document and not after it."""
-    return (ids[:, :, None] == ids[:, None, :]) & (pos[:, None] >= pos[None, :])
+    return attend(query, key, value, pattern & pad, scaling)
 
 
 def fibattn_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
@@ -204,15 +162,14 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     if real is not None and documents is not None and pads_apart(documents[0], real):
         attention_mask = None       # the pads are documents of their own (left padding, restarting positions)
     rows = padded_rows(real) if real is not None and documents is None else None
-    if rows is not None and all(spec.distances(n) == [d for d in dists if d < n] for n in rows[1]):
-        # each row's real tokens one run, with the set at T cut to its length: the sparse op's documents
-        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend, document_ids=rows[0])
+    if rows is not None:        # each row's real tokens one run: the sparse op's documents, with the row's set
+        out = padded(spec, dists, query, key, value, *rows, scaling)
         return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dim() == 2:       # padding_mask's: add the causal part
         pad = attention_mask[:, None, attention_mask.shape[-1] - tk:]
         attention_mask = (causal(tq, tk, query.device) & pad)[:, None]
     if documents is not None:
-        out = _packed(spec, dists, query, key, value, documents, attention_mask, scaling)
+        out = packed(spec, dists, query, key, value, documents[0], attention_mask, scaling)
     elif attention_mask is not None:
         # every key in hand (no FibCache): each row's own length is countable from its mask
         out = _masked(spec.distances if not cached else dists, query, key, value, attention_mask, scaling)
