@@ -287,3 +287,57 @@ def test_padded_rows_with_their_own_sets_give_the_unpadded_gradients():
     (m(x).logits.square().sum() + m(y).logits.square().sum()).backward()
     for n, p in m.named_parameters():
         torch.testing.assert_close(got[n], p.grad, atol=1e-4, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("kw", [dict(window=3), dict(window=2, base="pow2", schedule="fixed", alpha=0.5)])
+@pytest.mark.parametrize("cached", [False, True], ids=["every key", "FibCache keys"])
+def test_cached_steps_gather_their_columns_as_the_masked_path(kw, cached):
+    """A cached step (Tq < Tk; grouped heads; a left-padded row, a row padded on both sides, an unpadded one)
+    reads only the keys at its distances: outputs and gradients equal the masked path over every key."""
+    from fibattn.interop import hf_documents as D
+    from fibattn.interop import hf_llama as H
+    m = apply_fibattn(llama(), **kw)
+    spec = m.model.layers[1].self_attn.fibattn_spec
+    g = torch.Generator().manual_seed(0)
+    tq, tk = 3, 29
+    q = torch.randn(3, 4, tq, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(3, 2, tk, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    real = torch.ones(3, tk, dtype=torch.bool)
+    real[0, :11] = real[1, :2] = real[1, -1] = False
+    dists = spec.distances(tk + (40 if cached else 0))
+    for pad in (real, None):
+        got = D.gathered(spec, dists, q, k, v, pad, not cached, 0.25)
+        mask = None if pad is None else (H.causal(tq, tk, q.device) & pad[:, None, :])[:, None]
+        if mask is None:
+            want = H.attend(q, k, v, H._cached_mask(dists, tq, tk, q.device)[None, None].expand(3, 1, tq, tk), 0.25)
+        else:
+            want = H._masked(spec.distances if not cached else dists, q, k, v, mask, 0.25)
+        keep = torch.ones(3, 1, tq, 1, dtype=torch.float64)
+        keep[1, :, -1] = 0                                    # the pad query's output is nobody's
+        torch.testing.assert_close(got * keep, want * keep)
+        grads = torch.autograd.grad((got * keep).square().sum(), (q, k, v))
+        for a, b in zip(grads, torch.autograd.grad((want * keep).square().sum(), (q, k, v))):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kw,fib_cache", [(dict(window=2, base="pow2", schedule="fixed", alpha=0.5), False),
+                                           (dict(window=2, base="fib:6", schedule="coprime"), False),
+                                           (dict(window=2, base="fib:6", schedule="coprime"), True)])
+def test_generation_reads_only_the_attended_keys(kw, fib_cache, monkeypatch):
+    """generate with a left-padded batch: no step takes the masked path, and each row's greedy tokens are its
+    unpadded prompt's (transformers' cache: each row through its own length's set; FibCache: the set at the
+    batch's length, which for pow2 with alpha < 1 is not the short row's, so fib there)."""
+    from fibattn.interop import hf_llama as H
+    from fibattn.interop.hf_cache import FibCache
+    m = apply_fibattn(llama(), **kw).eval()
+    x, y = ids(1, 9), ids(1, 14, seed=2)
+    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), x], 1), y])
+    mask = torch.ones_like(batch)
+    mask[0, :5] = 0
+    greedy = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)      # no early end of sequence
+    want = [m.generate(r, **greedy)[0, r.shape[1]:].tolist() for r in (x, y)]
+    masked, calls = H._masked, []
+    monkeypatch.setattr(H, "_masked", lambda *a: calls.append(1) or masked(*a))
+    cache = dict(cache=FibCache(m, context=40)) if fib_cache else {}
+    got = m.generate(batch, attention_mask=mask, **greedy, **cache)[:, 14:]
+    assert got.tolist() == want and not calls

@@ -1,5 +1,6 @@
 """The transformers drop-in's attention over the documents of a batch (:mod:`fibattn.interop.hf_llama`): packed
-documents and padded rows, each through the set of its own length, as its own unpadded call would attend.
+documents and padded rows, each through the set of its own length, as its own unpadded call would attend;
+and a cached step's queries over the keys at their distances only.
 
 Where a document's set is the set at T cut to its length (fib and custom bases, pow2 with alpha >= 1), one call
 of the sparse op serves every document; other lengths (pow2 with alpha < 1 gains short distances as the
@@ -46,21 +47,54 @@ def packed(spec, full, query, key, value, ids, mask, scaling):
     return attend(query, key, value, (pattern & seen)[:, None], scaling)
 
 
-def padded(spec, full, query, key, value, ids, lengths, scaling):
+def padded(spec, full, query, key, value, ids, lengths, per_row: bool, scaling):
     """Rows whose real tokens are one run each (``ids``: the pads before it, the run, the pads after it, as
-    documents; ``lengths``: each row's run): the sparse op with each row's own set; one call per distinct set."""
-    groups: dict[tuple, list[int]] = {}
-    for b, n in enumerate(lengths):
-        groups.setdefault(_set_for(spec, full, n), []).append(b)
-    if len(groups) == 1:
-        (dists,) = groups
-        return sparse_attention(query, key, value, list(dists), scale=scaling, backend=spec.backend, document_ids=ids)
-    out = query.new_empty(query.shape)
-    for dists, rows in groups.items():
-        b = torch.tensor(rows, device=query.device)
-        out[b] = sparse_attention(query[b], key[b], value[b], list(dists), scale=scaling, backend=spec.backend,
-                                  document_ids=ids[b])
+    documents; ``lengths``: each row's run): the sparse op with each row's own set (``per_row``; else every row
+    through ``full``); one call per distinct set."""
+    sets = [_set_for(spec, full, n) if per_row else tuple(full) for n in lengths]
+    return _per_set(sets, (query, key, value, ids), lambda q, k, v, i, dists: sparse_attention(
+        q, k, v, list(dists), scale=scaling, backend=spec.backend, document_ids=i))
+
+
+def gathered(spec, full, query, key, value, real, per_row: bool, scaling):
+    """A cached step (``tq < tk``): the queries at the last ``tq`` of the ``tk`` key positions in hand, each
+    through the keys at its set's distances, gathered: O(Tq·|D|), where a mask over every key costs O(Tq·Tk).
+    ``real`` ``(B, tk)``: the keys that are not padding, or None. ``per_row``: every key of the rows is in hand,
+    so a row's length is its real keys and it takes that length's set; else every row takes ``full``."""
+    lengths = real.sum(-1).clamp(min=1).tolist() if per_row and real is not None else [key.shape[2]] * key.shape[0]
+    sets = [_set_for(spec, full, n) if per_row else tuple(full) for n in lengths]
+    return _per_set(sets, (query, key, value, real), lambda q, k, v, r, dists: _gather(q, k, v, dists, r, scaling))
+
+
+def _per_set(sets: list[tuple], tensors: tuple, run):
+    """``run(*tensors, dists)`` once per distinct set of ``sets`` (one a row), on the rows of the tensors (None
+    stays None) that take it, the outputs put back in row order; one call on every row when all take one set."""
+    if len(set(sets)) == 1:
+        return run(*tensors, sets[0])
+    out = None
+    for dists in dict.fromkeys(sets):
+        b = torch.tensor([i for i, s in enumerate(sets) if s == dists], device=tensors[0].device)
+        got = run(*(None if x is None else x[b] for x in tensors), dists)
+        out = got.new_empty((len(sets),) + got.shape[1:]) if out is None else out
+        out[b] = got
     return out
+
+
+def _gather(query, key, value, dists, real, scaling):
+    B, H, tq, Dh = query.shape
+    Hk, tk = key.shape[1], key.shape[2]
+    at = torch.arange(tk - tq, tk, device=query.device)[:, None] - torch.tensor(dists, device=query.device)
+    valid = (at >= 0).expand(B, tq, len(dists))
+    at = at.clamp(min=0)
+    if real is not None:
+        valid = valid & real[:, at]
+    valid = valid | ~valid.any(-1, keepdim=True)     # a pad that sees nothing: finite, and nothing reads it
+    k, v = key[:, :, at], value[:, :, at]                           # (B, Hk, tq, |D|, Dh)
+    q = query.reshape(B, Hk, H // Hk, tq, Dh)
+    s = torch.einsum("bkgqd,bkqcd->bkgqc", q, k)
+    s = s.to(torch.promote_types(s.dtype, torch.float32)) * (Dh ** -0.5 if scaling is None else scaling)
+    p = s.masked_fill(~valid[:, None, None], float("-inf")).softmax(-1).to(v.dtype)
+    return torch.einsum("bkgqc,bkqcd->bkgqd", p, v).reshape(B, H, tq, Dh)
 
 
 def _set_for(spec, full, n: int) -> tuple:

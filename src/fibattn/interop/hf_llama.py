@@ -25,9 +25,10 @@ padding mask, never a T x T one, and a row whose real tokens are one run (padded
 right or both) is three documents, the pads before, the run, the pads after, so its real tokens see
 only each other, as unpadded, through the set of its own length (a call per distinct set where
 they differ, :mod:`~.hf_documents`); the outputs at pads are not the dense path's, and nothing
-reads them. With a cache (``Tq < Tk``, generation) or a mask with a gap inside a row, the queries
-attend through the sparse boolean pattern combined with the padding: exact (a left-padded row
-gives its real tokens the outputs of the unpadded prompt), O(Tq·Tk).
+reads them. With a cache (``Tq < Tk``, generation) each query reads only the keys at its distances,
+gathered (O(Tq·|D|)); a mask with a gap inside a row, or another mask, takes the sparse boolean
+pattern combined with it: exact (a left-padded row gives its real tokens the outputs of the
+unpadded prompt), O(Tq·Tk).
 Alphas are fixed per layer (``learned`` is not supported here).
 
 Packed documents (padding-free batches, ``DataCollatorWithFlattening``): transformers passes the
@@ -61,13 +62,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..checks import UsageError, check_keys
 from ..ops import sparse_attention
 from ..schedules import Base, as_base, attended_distances, layer_alphas
 from .hf_batch import DeferredMask, causal, key_padding, packed_documents, padded_rows, padding_mask, pads_apart
-from .hf_documents import attend, packed, padded
+from .hf_documents import attend, gathered, packed, padded
 
 log = logging.getLogger("fibattn")
 
@@ -158,13 +158,18 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
         used = set(dists).union(*(spec.distances(n) for n in documents[1])) if documents is not None else None
         attention_mask = None if used is not None and not attention_mask.hides(documents[0], used) \
             else attention_mask.build()
-    real = None if attention_mask is None or not fresh else key_padding(attention_mask, tq, tk)
+    real = None if attention_mask is None or tq != tk else key_padding(attention_mask, tq, tk)
     if real is not None and documents is not None and pads_apart(documents[0], real):
         attention_mask = None       # the pads are documents of their own (left padding, restarting positions)
     rows = padded_rows(real) if real is not None and documents is None else None
     if rows is not None:        # each row's real tokens one run: the sparse op's documents, with the row's set
-        out = padded(spec, dists, query, key, value, *rows, scaling)
+        out = padded(spec, dists, query, key, value, *rows, not cached, scaling)   # a FibCache's: the set at T
         return out.transpose(1, 2).contiguous(), None
+    if tq != tk:                    # a cached step: the keys at its distances only, unless the mask is another
+        real = None if attention_mask is None else key_padding(attention_mask, tq, tk)
+        if attention_mask is None or real is not None:
+            out = gathered(spec, dists, query, key, value, real, not cached, scaling)
+            return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.dim() == 2:       # padding_mask's: add the causal part
         pad = attention_mask[:, None, attention_mask.shape[-1] - tk:]
         attention_mask = (causal(tq, tk, query.device) & pad)[:, None]
@@ -173,12 +178,8 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
     elif attention_mask is not None:
         # every key in hand (no FibCache): each row's own length is countable from its mask
         out = _masked(spec.distances if not cached else dists, query, key, value, attention_mask, scaling)
-    elif tq == tk:
-        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     else:
-        mask = _cached_mask(dists, tq, tk, query.device)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     return out.transpose(1, 2).contiguous(), None
 
 
