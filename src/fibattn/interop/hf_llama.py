@@ -158,28 +158,25 @@ def fibattn_attention(module, query, key, value, attention_mask=None, scaling=No
         used = set(dists).union(*(spec.distances(n) for n in documents[1])) if documents is not None else None
         attention_mask = None if used is not None and not attention_mask.hides(documents[0], used) \
             else attention_mask.build()
-    real = None if attention_mask is None or tq != tk else key_padding(attention_mask, tq, tk)
+    real = None if attention_mask is None else key_padding(attention_mask, tq, tk)   # None: another mask
     if real is not None and documents is not None and pads_apart(documents[0], real):
-        attention_mask = None       # the pads are documents of their own (left padding, restarting positions)
-    rows = padded_rows(real) if real is not None and documents is None else None
-    if rows is not None:        # each row's real tokens one run: the sparse op's documents, with the row's set
+        attention_mask = real = None    # the pads are documents of their own (left padding, restarting positions)
+    rows = padded_rows(real) if real is not None and documents is None and tq == tk else None
+    if tq != tk and (attention_mask is None or real is not None):
+        out = gathered(spec, dists, query, key, value, real, not cached, scaling)   # a cached step: its keys only
+    elif rows is not None:      # each row's real tokens one run: the sparse op's documents, with the row's set
         out = padded(spec, dists, query, key, value, *rows, not cached, scaling)   # a FibCache's: the set at T
-        return out.transpose(1, 2).contiguous(), None
-    if tq != tk:                    # a cached step: the keys at its distances only, unless the mask is another
-        real = None if attention_mask is None else key_padding(attention_mask, tq, tk)
-        if attention_mask is None or real is not None:
-            out = gathered(spec, dists, query, key, value, real, not cached, scaling)
-            return out.transpose(1, 2).contiguous(), None
-    if attention_mask is not None and attention_mask.dim() == 2:       # padding_mask's: add the causal part
-        pad = attention_mask[:, None, attention_mask.shape[-1] - tk:]
-        attention_mask = (causal(tq, tk, query.device) & pad)[:, None]
-    if documents is not None:
-        out = packed(spec, dists, query, key, value, documents[0], attention_mask, scaling)
-    elif attention_mask is not None:
-        # every key in hand (no FibCache): each row's own length is countable from its mask
-        out = _masked(spec.distances if not cached else dists, query, key, value, attention_mask, scaling)
     else:
-        out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
+        if attention_mask is not None and attention_mask.dim() == 2:   # padding_mask's: add the causal part
+            pad = attention_mask[:, None, attention_mask.shape[-1] - tk:]
+            attention_mask = (causal(tq, tk, query.device) & pad)[:, None]
+        if documents is not None:
+            out = packed(spec, dists, query, key, value, documents[0], attention_mask, scaling)
+        elif attention_mask is not None:
+            # every key in hand (no FibCache): each row's own length is countable from its mask
+            out = _masked(spec.distances if not cached else dists, query, key, value, attention_mask, scaling)
+        else:
+            out = sparse_attention(query, key, value, dists, scale=scaling, backend=spec.backend)
     return out.transpose(1, 2).contiguous(), None
 
 
