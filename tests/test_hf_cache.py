@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from fibattn.bench import hf_cache as bench  # noqa: E402
 from fibattn.interop import hf_llama  # noqa: E402
-from fibattn.interop.hf_cache import FibCache, cache_bytes  # noqa: E402
+from fibattn.interop.hf_cache import FibCache, FibCacheLayer, cache_bytes  # noqa: E402
 from fibattn.interop.hf_llama import FIRST_KEY_POSITION, apply_fibattn, fibattn_attention  # noqa: E402
 
 V = 256
@@ -123,7 +123,8 @@ def test_cache_bytes_do_not_grow_with_the_context():
     assert records[1]["full_cache_bytes"] > 3 * records[0]["full_cache_bytes"]
     assert all(r["tokens_equal"] for r in records)
     kept = records[0]["kept_keys"]
-    assert records[0]["fib_cache_bytes"] == sum(kept) * 2 * 2 * 16 * 4   # k and v, 2 KV heads, head size 16, fp32
+    rows = sum(FibCacheLayer.rows(k) for k in kept)                     # the kept keys and the room past them
+    assert records[0]["fib_cache_bytes"] == rows * 2 * 2 * 16 * 4       # k and v, 2 KV heads, head size 16, fp32
     assert "FibCache bytes equal at every context: True" in bench.format_table(records)
 
 
@@ -138,9 +139,10 @@ def test_bench_cli(capsys):
 
 def test_a_reach_len_beyond_the_context_sizes_nothing():
     """--reach-len allocates nothing itself (FibCache grows with the tokens seen, up to the context): a reach
-    of 10**30 holds what the full cache holds, so its memory is the --contexts check's."""
+    of 10**30 holds the full cache's rows and its buffer's room, so its memory is the --contexts check's."""
     far = bench.measure([48], reach_len=10 ** 30, new=2)[0]
-    assert far["fib_cache_bytes"] == far["full_cache_bytes"] and far["tokens_equal"]
+    per_row = far["full_cache_bytes"] // 47                          # the 46 prompt tokens and one step's
+    assert far["fib_cache_bytes"] == FibCacheLayer.rows(46) * per_row and far["tokens_equal"]
 
 
 def test_chunked_prefill_and_the_marked_keys():
@@ -184,3 +186,30 @@ def test_errors_are_clear():
     with pytest.raises(ValueError, match="attn_implementation is 'sdpa'"):
         FibCache(llama(layers=1))
     assert cache_bytes(transformers.DynamicCache(config=model.config)) == 0
+
+
+@pytest.mark.parametrize("prompt", [80, 6], ids=["prompt past the kept keys", "prompt shorter"])
+def test_steps_write_into_the_buffer(prompt, monkeypatch):
+    """A step copies its own key, not every kept one: past a prompt longer than what a layer keeps, only the
+    prompt starts a buffer (later steps append, moving the kept rows to the start when the room runs out);
+    after a short prompt the buffer grows a quarter at a time. The tokens and logits stay the full cache's."""
+    model = apply_fibattn(llama(), window=2, base="fib:8", schedule="linear", reach_len=64)
+    starts, start = [], FibCacheLayer._start_buffer
+    monkeypatch.setattr(FibCacheLayer, "_start_buffer",
+                        lambda self, k, v: starts.append(k.shape[-2]) or start(self, k, v))
+    x, new = ids(2, prompt), 70
+    cache = FibCache(model)
+    tokens, logits = greedy(model, x, new, cache)
+    want_tokens, want_logits = greedy(model, x, new)
+    assert tokens.tolist() == want_tokens.tolist()
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5)
+    layers = len(cache.keeps)
+    if prompt > max(cache.keeps):
+        assert starts == [prompt] * layers
+    else:                                                     # a few growths, each a quarter more
+        assert starts[:layers] == [prompt] * layers and layers < len(starts) <= layers * 8
+    for layer, keep in zip(cache.layers, cache.keeps):
+        row = layer.keys[:, :, :1].numel() * layer.keys.element_size()
+        held = layer.keys.untyped_storage().nbytes()
+        assert layer.keys.shape[-2] == keep and held <= FibCacheLayer.rows(keep) * row
+        assert prompt < keep or held == FibCacheLayer.rows(keep) * row

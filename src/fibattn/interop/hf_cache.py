@@ -10,7 +10,9 @@ What a layer keeps. The query at position ``p`` reads the keys at ``p - d`` for 
 layer's distance set ``D`` (docs/method.md §1), and transformers caches keys after RoPE, so a
 later query can only ever need the last ``max(D)`` cached keys besides its own: layer ``i``
 keeps exactly those, ``keep_i = max(D_i)`` keys and values per batch row (the new token's key
-arrives with its step, so ``max(D_i) + 1`` are in hand while it runs), whatever the length.
+arrives with its step, so ``max(D_i) + 1`` are in hand while it runs), whatever the length, in a
+buffer of :meth:`FibCacheLayer.rows` rows (room for the next steps' keys, so a step does not copy
+the kept ones).
 A prompt is first attended in full, then only its tail is kept.
 
 Which ``D``. A set only grows with the length (the cap and a ``pow2`` base grow, nothing
@@ -78,24 +80,73 @@ class FibCacheLayer(DynamicLayer):
         self.device = key_states.device
         self.keys = key_states[..., :0, :].clone()
         self.values = value_states[..., :0, :].clone()
+        self._buf = None                      # (keys, values) with room past the kept rows; see update
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new positions; return every kept key/value plus the new ones (a prompt: all of it)."""
+        """Append the new positions; return every kept key/value plus the new ones (a prompt: all of it).
+
+        A step writes its rows into a buffer with room past the kept ones and returns a view of it, so a token
+        copies its own rows, not every kept one (a ``torch.cat`` of the kept keys each step is O(keep), the
+        largest cost of decoding at a long context); the kept rows move to the buffer's start when the room
+        runs out, once every ``room`` tokens. A prompt, keys that were replaced (beam search reorders them) or
+        that carry gradients, and a step with no room left while the layer holds fewer than ``keep`` rows, go
+        through ``torch.cat`` and start a new buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         seen, new = self.cumulative_length, key_states.shape[-2]
         if self.context is not None and seen + new > self.context:
             raise UsageError(f"FibCache: length {seen + new} is past the cache's context {self.context}; build it "
                              f"with FibCache(model, context=N), N >= prompt (with padding) + max_new_tokens")
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
-        cut = max(0, keys.shape[-2] - self.keep)
-        # clone: a view would keep the whole prompt's storage alive
-        self.keys, self.values = keys[..., cut:, :].clone(), values[..., cut:, :].clone()
+        if self._fits(key_states, value_states):
+            keys, values = self._append(key_states, value_states)
+        else:
+            keys = torch.cat([self.keys, key_states], dim=-2)
+            values = torch.cat([self.values, value_states], dim=-2)
+            self._start_buffer(keys, values)
         self.cumulative_length = seen + new
         setattr(keys, FIRST_KEY_POSITION, seen + new - keys.shape[-2])
         return keys, values
+
+    @staticmethod
+    def rows(kept: int) -> int:
+        """A layer's buffer rows for ``kept`` kept ones: room for a quarter as many new ones (at least 16). Until a
+        layer keeps its ``keep`` rows, the buffer grows (a quarter each time) with the tokens it holds."""
+        return kept + max(16, kept // 4)
+
+    def _fits(self, key_states, value_states) -> bool:
+        buf = getattr(self, "_buf", None)
+        if buf is None or self.keys is not self._kept[0] or self.values is not self._kept[1]:
+            return False
+        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+        k = buf[0]
+        return (not grad and key_states.shape[:2] == k.shape[:2] and key_states.dtype == k.dtype
+                and key_states.device == k.device and self.keys.shape[-2] + key_states.shape[-2] <= k.shape[-2])
+
+    def _append(self, key_states, value_states):
+        (k, v), (start, end), new = self._buf, self._span, key_states.shape[-2]
+        if end + new > k.shape[-2]:                          # out of room: the kept rows to the start
+            k[..., :end - start, :] = k[..., start:end, :].clone()
+            v[..., :end - start, :] = v[..., start:end, :].clone()
+            start, end = 0, end - start
+        k[..., end:end + new, :] = key_states
+        v[..., end:end + new, :] = value_states
+        keys, values = k[..., start:end + new, :], v[..., start:end + new, :]
+        self._keep_rows(max(start, end + new - self.keep), end + new)
+        return keys, values
+
+    def _start_buffer(self, keys, values) -> None:
+        n = min(self.keep, keys.shape[-2])
+        shape = keys.shape[:2] + (self.rows(n),) + keys.shape[3:]     # grows with the tokens seen, up to keep
+        self._buf = (keys.new_empty(shape), values.new_empty(shape))
+        self._buf[0][..., :n, :] = keys[..., keys.shape[-2] - n:, :].detach()
+        self._buf[1][..., :n, :] = values[..., values.shape[-2] - n:, :].detach()
+        self._keep_rows(0, n)
+
+    def _keep_rows(self, start: int, end: int) -> None:
+        self._span = (start, end)
+        self.keys, self.values = self._buf[0][..., start:end, :], self._buf[1][..., start:end, :]
+        self._kept = (self.keys, self.values)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The mask spans the last ``mask_keep`` seen positions and the new ones (same for every layer)."""
