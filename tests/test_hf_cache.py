@@ -213,3 +213,19 @@ def test_steps_write_into_the_buffer(prompt, monkeypatch):
         held = layer.keys.untyped_storage().nbytes()
         assert layer.keys.shape[-2] == keep and held <= FibCacheLayer.rows(keep) * row
         assert prompt < keep or held == FibCacheLayer.rows(keep) * row
+
+
+def test_a_step_with_gradients_reaches_the_kept_keys():
+    """With gradients on, the kept keys keep their history: a step's loss has the full cache's gradients."""
+    model = apply_fibattn(llama(), window=2, base="fib:6", schedule="linear", reach_len=24)
+    x = ids(1, 30)
+    grads = []
+    for cache in (FibCache(model), transformers.DynamicCache(config=model.config)):
+        model.zero_grad()
+        first = model(x[:, :-1], use_cache=True, **cache_kw(model, cache))
+        model(x[:, -1:], use_cache=True, **cache_kw(model, getattr(first, "cache", None) or first.past_key_values)
+              ).logits.square().sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=name)

@@ -89,9 +89,9 @@ class FibCacheLayer(DynamicLayer):
         A step writes its rows into a buffer with room past the kept ones and returns a view of it, so a token
         copies its own rows, not every kept one (a ``torch.cat`` of the kept keys each step is O(keep), the
         largest cost of decoding at a long context); the kept rows move to the buffer's start when the room
-        runs out, once every ``room`` tokens. A prompt, keys that were replaced (beam search reorders them) or
-        that carry gradients, and a step with no room left while the layer holds fewer than ``keep`` rows, go
-        through ``torch.cat`` and start a new buffer."""
+        runs out, once every ``room`` tokens. A prompt, keys that were replaced (beam search reorders them) and
+        a step with no room left while the layer holds fewer than ``keep`` rows go through ``torch.cat`` and
+        start a new buffer; keys that carry gradients keep them, through ``torch.cat`` without a buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         seen, new = self.cumulative_length, key_states.shape[-2]
@@ -103,7 +103,11 @@ class FibCacheLayer(DynamicLayer):
         else:
             keys = torch.cat([self.keys, key_states], dim=-2)
             values = torch.cat([self.values, value_states], dim=-2)
-            self._start_buffer(keys, values)
+            if keys.requires_grad or values.requires_grad:    # keep the history: gradients reach earlier steps
+                cut = max(0, keys.shape[-2] - self.keep)       # clone: a view would keep the prompt alive
+                self.keys, self.values, self._buf = keys[..., cut:, :].clone(), values[..., cut:, :].clone(), None
+            else:
+                self._start_buffer(keys, values)
         self.cumulative_length = seen + new
         setattr(keys, FIRST_KEY_POSITION, seen + new - keys.shape[-2])
         return keys, values
@@ -118,10 +122,10 @@ class FibCacheLayer(DynamicLayer):
         buf = getattr(self, "_buf", None)
         if buf is None or self.keys is not self._kept[0] or self.values is not self._kept[1]:
             return False
-        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
         k = buf[0]
-        return (not grad and key_states.shape[:2] == k.shape[:2] and key_states.dtype == k.dtype
-                and key_states.device == k.device and self.keys.shape[-2] + key_states.shape[-2] <= k.shape[-2])
+        return (not (key_states.requires_grad or value_states.requires_grad) and key_states.shape[:2] == k.shape[:2]
+                and key_states.dtype == k.dtype and key_states.device == k.device
+                and self.keys.shape[-2] + key_states.shape[-2] <= k.shape[-2])
 
     def _append(self, key_states, value_states):
         (k, v), (start, end), new = self._buf, self._span, key_states.shape[-2]
@@ -139,8 +143,8 @@ class FibCacheLayer(DynamicLayer):
         n = min(self.keep, keys.shape[-2])
         shape = keys.shape[:2] + (self.rows(n),) + keys.shape[3:]     # grows with the tokens seen, up to keep
         self._buf = (keys.new_empty(shape), values.new_empty(shape))
-        self._buf[0][..., :n, :] = keys[..., keys.shape[-2] - n:, :].detach()
-        self._buf[1][..., :n, :] = values[..., values.shape[-2] - n:, :].detach()
+        self._buf[0][..., :n, :] = keys[..., keys.shape[-2] - n:, :]
+        self._buf[1][..., :n, :] = values[..., values.shape[-2] - n:, :]
         self._keep_rows(0, n)
 
     def _keep_rows(self, start: int, end: int) -> None:
