@@ -99,6 +99,30 @@ def _greedy(model, ids, n):
     return out
 
 
+@pytest.mark.parametrize("batch_size", [3, "auto"])
+def test_batches_give_the_one_at_a_time_scores(scorer, batch_size, monkeypatch):
+    """Requests of one input length share a forward (batch_size rows; auto fills about AUTO_TOKENS tokens), the
+    scores those of one request at a time, in the requests' order."""
+    import fibattn.interop.lm_eval_adapter as adapter
+    pairs = [(TEXT[:n], TEXT[n:n + k]) for n, k in [(9, 3), (12, 4), (9, 2), (9, 5), (30, 7), (12, 1), (9, 3)]]
+    texts = [TEXT[:40], TEXT[5:23], TEXT]
+    alone = [scorer.loglikelihood(*p) for p in pairs], [scorer.loglikelihood_rolling(t) for t in texts]
+    monkeypatch.setattr(adapter, "AUTO_TOKENS", 40)
+    batched = FibScorer(scorer.model, scorer.tokenizer, max_length=16, batch_size=batch_size)
+    forwards, hidden = [], batched.model.hidden
+    monkeypatch.setattr(batched.model, "hidden",
+                        lambda x, *a, **k: forwards.append(tuple(x.shape)) or hidden(x, *a, **k))
+    got = run_requests(batched, "loglikelihood", pairs), run_requests(batched, "loglikelihood_rolling",
+                                                                      [(t,) for t in texts])
+    for g, want in zip(got[0], alone[0]):
+        assert g[0] == pytest.approx(want[0], rel=1e-5, abs=1e-5) and g[1] == want[1]
+    assert got[1] == pytest.approx(alone[1], rel=1e-5, abs=1e-5)
+    rows = 3 if batch_size == 3 else None
+    assert all(r <= (rows or 40 // t) for r, t in forwards) and any(r > 1 for r, _ in forwards)
+    assert sum(r for r, _ in forwards) == len(pairs) + sum(len(scorer.rolling_windows(list(t.encode())))
+                                                           for t in texts)
+
+
 def test_bad_arguments(scorer):
     with pytest.raises(ValueError, match="max_length"):
         FibScorer(scorer.model, scorer.tokenizer, max_length=0)
@@ -106,6 +130,9 @@ def test_bad_arguments(scorer):
         scorer.generate_until("x", {"max_gen_toks": 16})
     with pytest.raises(ValueError, match="kind"):
         run_requests(scorer, "perplexity", [])
+    for bad in (dict(batch_size=0), dict(batch_size="many"), dict(max_batch_size=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            FibScorer(scorer.model, scorer.tokenizer, max_length=16, **bad)
 
 
 # ----------------------------------------------------------------------------- with lm-eval installed

@@ -26,7 +26,11 @@ The scoring lives in :class:`FibScorer`, which does not need lm-eval:
 A ``model_args`` or generation key the adapter does not read is refused naming the closest one
 (:func:`fibattn.checks.check_keys`): a misspelt key left at its default would change the numbers.
 
-Layout: token id lists; model inputs ``(1, T)``; continuation logits ``(n, V)``.
+Batches: ``batch_size`` (lm-eval's model argument; ``auto`` fills about ``AUTO_TOKENS`` tokens a forward,
+``max_batch_size`` caps it) rows of the same input length share a forward, so each request still sees
+the positions and distance sets it would alone.
+
+Layout: token id lists; model inputs ``(rows, T)``; continuation logits ``(n, V)``.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ log = logging.getLogger("fibattn")
 
 MODEL_NAME = "fibattn"
 DEFAULT_GEN_TOKS = 256
+AUTO_TOKENS = 16384                    # batch_size=auto: the tokens of one forward
 # what FibattnLM takes (lm-eval adds batch_size, max_batch_size and device itself) and generate_until honours
 MODEL_ARGS = ("path", "max_length", "step", "device", "batch_size", "max_batch_size")
 GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "seed")
@@ -57,9 +62,12 @@ class FibScorer:
     model: torch.nn.Module
     tokenizer: object
     max_length: int
+    batch_size: int | str = 1          # rows a forward; "auto": as many as fill AUTO_TOKENS
+    max_batch_size: int | None = None
 
     def __post_init__(self):
         self.max_length = parse_int("max_length", self.max_length, 1)
+        self.rows, self.cap = _batch_rows(self.batch_size, self.max_batch_size)
         limit = self.model.cfg.max_seq_len
         if self.max_length > limit:
             raise UsageError(f"max_length must be <= model.max_seq_len={limit}, got {self.max_length}")
@@ -68,13 +76,14 @@ class FibScorer:
         self.eos = int(self.tokenizer.eos_id)
 
     @classmethod
-    def load(cls, path, *, max_length=None, step="latest", device="cpu") -> "FibScorer":
+    def load(cls, path, *, max_length=None, step="latest", device="cpu", batch_size=1,
+             max_batch_size=None) -> "FibScorer":
         """From an export folder or a run folder; ``max_length`` defaults to the training length."""
         from ..storage.pretrained import load_model
         model, tok = load_model(path, step=step, device=device)
         if tok is None:
             raise UsageError(f"{path} has no tokenizer; lm-eval needs one (tokenizer.json)")
-        return cls(model, tok, model.cfg.seq_len if max_length is None else max_length)
+        return cls(model, tok, model.cfg.seq_len if max_length is None else max_length, batch_size, max_batch_size)
 
     @property
     def device(self) -> torch.device:
@@ -92,26 +101,51 @@ class FibScorer:
             return ctx, self.tokenizer.encode(continuation)
         return ctx, whole[len(ctx):]
 
-    @torch.no_grad()
     def score(self, inputs: list[int], targets: list[int]) -> tuple[float, bool]:
         """Summed log-prob of ``targets`` (the last ``len(targets)`` next-token predictions of
         ``inputs``) and whether each is the argmax."""
-        n = len(targets)
-        x = torch.tensor([inputs], dtype=torch.long, device=self.device)
-        h = self.model.hidden(x)[0, -n:]
-        logp = F.log_softmax(self.model.logits(h).float(), dim=-1)
-        y = torch.tensor(targets, dtype=torch.long, device=self.device)
-        return float(logp.gather(1, y[:, None]).sum()), bool((logp.argmax(-1) == y).all())
+        return self.score_many([(inputs, targets)])[0]
+
+    @torch.no_grad()
+    def score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """:meth:`score` of each ``(inputs, targets)``, in order. Inputs of one length share a forward, up to
+        ``batch_size`` rows: the same length, so the same positions and distance sets as one at a time (only
+        the matrix products' rounding may differ, as in any batched harness model)."""
+        out: list = [None] * len(pairs)
+        by_length: dict[int, list[int]] = {}
+        for i, (inputs, _) in enumerate(pairs):
+            by_length.setdefault(len(inputs), []).append(i)
+        for T, idx in sorted(by_length.items()):
+            rows = self.rows or min(max(1, AUTO_TOKENS // T), self.cap or AUTO_TOKENS)
+            for at in range(0, len(idx), rows):
+                chunk = idx[at:at + rows]
+                x = torch.tensor([pairs[i][0] for i in chunk], dtype=torch.long, device=self.device)
+                h = self.model.hidden(x)
+                ns = [len(pairs[i][1]) for i in chunk]
+                last = torch.cat([h[r, T - n:] for r, n in enumerate(ns)])
+                logp = F.log_softmax(self.model.logits(last).float(), dim=-1)
+                y = torch.tensor([t for i in chunk for t in pairs[i][1]], dtype=torch.long, device=self.device)
+                got, hit = logp.gather(1, y[:, None])[:, 0], logp.argmax(-1) == y
+                for i, g, k in zip(chunk, got.split(ns), hit.split(ns)):
+                    out[i] = (float(g.sum()), bool(k.all()))
+        return out
 
     # ------------------------------------------------------------------ the three requests
     def loglikelihood(self, context: str, continuation: str) -> tuple[float, bool]:
+        return self.loglikelihoods([(context, continuation)])[0]
+
+    def loglikelihoods(self, requests: list[tuple[str, str]]) -> list[tuple[float, bool]]:
+        """:meth:`loglikelihood` of each ``(context, continuation)``, scored in batches."""
+        return self.score_many([self._pair(ctx, cont) for ctx, cont in requests])
+
+    def _pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         ctx, cont = self.encode_pair(context, continuation)
         if not cont:
             raise UsageError(f"continuation {continuation!r} encodes to no tokens")
         if not ctx:
             ctx = [self.eos]
         whole = (ctx + cont)[-(self.max_length + 1):]
-        return self.score(whole[:-1], cont[-min(len(cont), self.max_length):])
+        return whole[:-1], cont[-min(len(cont), self.max_length):]
 
     def rolling_windows(self, tokens: list[int]) -> list[tuple[list[int], list[int]]]:
         """``(inputs, targets)`` per window; targets cover ``tokens`` once, in order."""
@@ -123,8 +157,13 @@ class FibScorer:
         return out
 
     def loglikelihood_rolling(self, text: str) -> float:
-        tokens = self.tokenizer.encode(text)
-        return sum(self.score(inp, tgt)[0] for inp, tgt in self.rolling_windows(tokens))
+        return self.loglikelihoods_rolling([text])[0]
+
+    def loglikelihoods_rolling(self, texts: list[str]) -> list[float]:
+        """:meth:`loglikelihood_rolling` of each text, the windows of all of them scored in batches."""
+        windows = [self.rolling_windows(self.tokenizer.encode(text)) for text in texts]
+        scores = iter(self.score_many([w for ws in windows for w in ws]))
+        return [sum(next(scores)[0] for _ in ws) for ws in windows]
 
     def generate_until(self, context: str, gen_kwargs: dict | None = None) -> str:
         from ..generation.decode import TextStream, generate
@@ -152,6 +191,17 @@ class FibScorer:
         return text if cut is None else text[:cut]
 
 
+def _batch_rows(batch_size, max_batch_size) -> tuple[int | None, int | None]:
+    """``(rows, cap)`` from lm-eval's ``batch_size`` and ``max_batch_size``: rows a forward (None for ``auto`` /
+    ``auto:N``: then ``AUTO_TOKENS // length`` rows, at most ``cap``)."""
+    cap = None if max_batch_size is None else parse_int("max_batch_size", max_batch_size, 1)
+    if isinstance(batch_size, str) and batch_size.strip().lower().startswith("auto"):
+        log.info("fibattn lm-eval: batch_size %s -> rows of up to %d tokens a forward", batch_size, AUTO_TOKENS)
+        return None, cap
+    rows = parse_int("batch_size", batch_size, 1)
+    return (rows if cap is None else min(rows, cap)), cap
+
+
 def _first_stop(text: str, until: list[str]) -> int | None:
     hits = [text.find(s) for s in until if s and s in text]
     return min(hits) if hits else None
@@ -175,11 +225,14 @@ def _request_args(req) -> tuple:
 
 def run_requests(scorer: FibScorer, kind: str, requests) -> list:
     """Answer a list of lm-eval requests (``Instance`` objects or plain argument tuples)."""
-    fn = {"loglikelihood": scorer.loglikelihood, "loglikelihood_rolling": scorer.loglikelihood_rolling,
-          "generate_until": scorer.generate_until}.get(kind)
-    if fn is None:
-        raise UsageError(f"kind must be loglikelihood, loglikelihood_rolling or generate_until, got {kind!r}")
-    return [fn(*_request_args(r)) for r in requests]
+    args = [_request_args(r) for r in requests]
+    if kind == "loglikelihood":
+        return scorer.loglikelihoods(args)
+    if kind == "loglikelihood_rolling":
+        return scorer.loglikelihoods_rolling([a[0] for a in args])
+    if kind == "generate_until":
+        return [scorer.generate_until(*a) for a in args]
+    raise UsageError(f"kind must be loglikelihood, loglikelihood_rolling or generate_until, got {kind!r}")
 
 
 def _build_lm_class():
@@ -195,7 +248,8 @@ def _build_lm_class():
             if not path:
                 raise UsageError("fibattn lm-eval model needs model_args path=RUN_OR_EXPORT")
             step = parse_step(step or "latest", "model_args step")
-            self.scorer = FibScorer.load(path, max_length=max_length, step=step, device=resolve_device(device))
+            self.scorer = FibScorer.load(path, max_length=max_length, step=step, device=resolve_device(device),
+                                         batch_size=batch_size, max_batch_size=max_batch_size)
 
         @property
         def max_length(self) -> int:
