@@ -46,122 +46,37 @@ Needs transformers' layered cache API (``transformers.cache_utils.DynamicLayer``
 """
 from __future__ import annotations
 
-import torch
-
 from ..checks import UsageError, check_int
-from .hf_llama import FIRST_KEY_POSITION, IMPL_NAME, LayerSpec, _spec_from_config, attention_modules
+from .hf_llama import IMPL_NAME, LayerSpec, _spec_from_config, attention_modules
 
 try:
-    from transformers.cache_utils import Cache, DynamicLayer
+    from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401  (the check: layered caches)
 except ImportError as exc:                    # no transformers, or one without the layered cache API
     raise ImportError("fibattn.interop.hf_cache needs a transformers with layered caches (transformers.cache_utils."
                       "DynamicLayer; tested with 5.24): pip install -U 'fibattn[hf]'") from exc
+from .hf_remote.modeling_fibattn_llama import FibattnCacheLayer  # noqa: E402  (needs the layered caches too)
 
 
 # the attention of `fibattn export --format hf` remote code (hf_remote): it reads the same key marks
 REMOTE_IMPL = "fibattn_llama"   # the remote code's names start with it (one per loaded copy)
 
 
-class FibCacheLayer(DynamicLayer):
-    """One layer's last ``keep`` keys and values ``(B, Hkv, <= keep, Dh)``; see the module docstring.
+class FibCacheLayer(FibattnCacheLayer):
+    """One layer's last ``keep`` keys and values ``(B, Hkv, <= keep, Dh)``; see the module docstring. The
+    keeping (a buffer with room for the next steps' keys, :meth:`rows`) is the export's own cache layer's
+    (``hf_remote``), which ships without fibattn.
 
     ``mask_keep``: the most any layer of the cache keeps (the mask transformers builds is sized
     by it); ``context``: the longest sequence allowed, ``None`` for no limit.
     """
 
-    is_croppable = False
-
     def __init__(self, keep: int, mask_keep: int, context: int | None):
-        super().__init__()
-        self.keep, self.mask_keep, self.context = keep, mask_keep, context
-        self.cumulative_length = 0            # positions seen; transformers' reset() zeroes this name
+        super().__init__(keep, context)
+        self.mask_keep = mask_keep
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.keys = key_states[..., :0, :].clone()
-        self.values = value_states[..., :0, :].clone()
-        self._buf = None                      # (keys, values) with room past the kept rows; see update
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new positions; return every kept key/value plus the new ones (a prompt: all of it).
-
-        A step writes its rows into a buffer with room past the kept ones and returns a view of it, so a token
-        copies its own rows, not every kept one (a ``torch.cat`` of the kept keys each step is O(keep), the
-        largest cost of decoding at a long context); the kept rows move to the buffer's start when the room
-        runs out, once every ``room`` tokens. A prompt, keys that were replaced (beam search reorders them) and
-        a step with no room left while the layer holds fewer than ``keep`` rows go through ``torch.cat`` and
-        start a new buffer; keys that carry gradients keep them, through ``torch.cat`` without a buffer."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        seen, new = self.cumulative_length, key_states.shape[-2]
-        if self.context is not None and seen + new > self.context:
-            raise UsageError(f"FibCache: length {seen + new} is past the cache's context {self.context}; build it "
-                             f"with FibCache(model, context=N), N >= prompt (with padding) + max_new_tokens")
-        if self._fits(key_states, value_states):
-            keys, values = self._append(key_states, value_states)
-        else:
-            keys = torch.cat([self.keys, key_states], dim=-2)
-            values = torch.cat([self.values, value_states], dim=-2)
-            if keys.requires_grad or values.requires_grad:    # keep the history: gradients reach earlier steps
-                cut = max(0, keys.shape[-2] - self.keep)       # clone: a view would keep the prompt alive
-                self.keys, self.values, self._buf = keys[..., cut:, :].clone(), values[..., cut:, :].clone(), None
-            else:
-                self._start_buffer(keys, values)
-        self.cumulative_length = seen + new
-        setattr(keys, FIRST_KEY_POSITION, seen + new - keys.shape[-2])
-        return keys, values
-
-    @staticmethod
-    def rows(kept: int) -> int:
-        """A layer's buffer rows for ``kept`` kept ones: room for a quarter as many new ones (at least 16). Until a
-        layer keeps its ``keep`` rows, the buffer grows (a quarter each time) with the tokens it holds."""
-        return kept + max(16, kept // 4)
-
-    def _fits(self, key_states, value_states) -> bool:
-        buf = getattr(self, "_buf", None)
-        if buf is None or self.keys is not self._kept[0] or self.values is not self._kept[1]:
-            return False
-        k = buf[0]
-        return (not (key_states.requires_grad or value_states.requires_grad) and key_states.shape[:2] == k.shape[:2]
-                and key_states.dtype == k.dtype and key_states.device == k.device
-                and self.keys.shape[-2] + key_states.shape[-2] <= k.shape[-2])
-
-    def _append(self, key_states, value_states):
-        (k, v), (start, end), new = self._buf, self._span, key_states.shape[-2]
-        if end + new > k.shape[-2]:                          # out of room: the kept rows to the start
-            k[..., :end - start, :] = k[..., start:end, :].clone()
-            v[..., :end - start, :] = v[..., start:end, :].clone()
-            start, end = 0, end - start
-        k[..., end:end + new, :] = key_states
-        v[..., end:end + new, :] = value_states
-        keys, values = k[..., start:end + new, :], v[..., start:end + new, :]
-        self._keep_rows(max(start, end + new - self.keep), end + new)
-        return keys, values
-
-    def _start_buffer(self, keys, values) -> None:
-        n = min(self.keep, keys.shape[-2])
-        shape = keys.shape[:2] + (self.rows(n),) + keys.shape[3:]     # grows with the tokens seen, up to keep
-        self._buf = (keys.new_empty(shape), values.new_empty(shape))
-        self._buf[0][..., :n, :] = keys[..., keys.shape[-2] - n:, :]
-        self._buf[1][..., :n, :] = values[..., values.shape[-2] - n:, :]
-        self._keep_rows(0, n)
-
-    def _keep_rows(self, start: int, end: int) -> None:
-        self._span = (start, end)
-        self.keys, self.values = self._buf[0][..., start:end, :], self._buf[1][..., start:end, :]
-        self._kept = (self.keys, self.values)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """The mask spans the last ``mask_keep`` seen positions and the new ones (same for every layer)."""
-        kept = min(self.cumulative_length, self.mask_keep)
-        return kept + query_length, self.cumulative_length - kept
-
-    def get_seq_length(self) -> int:
-        return self.cumulative_length
-
-    def get_max_length(self) -> int:
-        return -1 if self.context is None else self.context
+    def past_context(self, length: int):
+        raise UsageError(f"FibCache: length {length} is past the cache's context {self.context}; build it "
+                         f"with FibCache(model, context=N), N >= prompt (with padding) + max_new_tokens")
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove:

@@ -230,19 +230,29 @@ except ImportError:
 
 if DynamicLayer is not None:
     class FibattnCacheLayer(DynamicLayer):
-        """One layer's last ``keep`` keys and values (``keep = max(D)``): the next query reads nothing older."""
+        """One layer's last ``keep`` keys and values (``keep = max(D)``): the next query reads nothing older.
+
+        A step writes its keys into a buffer with room past the kept ones (:meth:`rows`) and hands over a view
+        of it, so a token copies its own keys, not every kept one (a ``torch.cat`` of the kept keys each step is
+        O(keep)); the kept rows move to the buffer's start when the room runs out. A prompt, keys replaced
+        (beam search reorders them) and a step with no room left while the layer keeps fewer than ``keep``
+        rows go through ``torch.cat`` and start a new buffer; keys with gradients keep them, without one."""
 
         is_croppable = False
 
         def __init__(self, keep: int, context=None):
             super().__init__()
-            self.keep, self.context = keep, context
+            self.keep, self.mask_keep, self.context = keep, keep, context
             self.cumulative_length = 0            # positions seen; transformers' reset() zeroes this name
 
         def lazy_initialization(self, key_states, value_states):
             self.device = key_states.device
             self.keys, self.values = key_states[..., :0, :].clone(), value_states[..., :0, :].clone()
+            self._buf = None
             self.is_initialized = True
+
+        def past_context(self, length: int):
+            raise ValueError(f"FibattnCache: length {length} is past the cache's context {self.context}")
 
         def update(self, key_states, value_states, *args, **kwargs):
             """Append the new positions; return the kept keys/values plus the new ones, the keys marked."""
@@ -250,18 +260,63 @@ if DynamicLayer is not None:
                 self.lazy_initialization(key_states, value_states)
             seen, new = self.cumulative_length, key_states.shape[-2]
             if self.context is not None and seen + new > self.context:
-                raise ValueError(f"FibattnCache: length {seen + new} is past the cache's context {self.context}")
-            keys = torch.cat([self.keys, key_states], dim=-2)
-            values = torch.cat([self.values, value_states], dim=-2)
-            cut = max(0, keys.shape[-2] - self.keep)
-            # clone: a view would keep the whole prompt's storage alive
-            self.keys, self.values = keys[..., cut:, :].clone(), values[..., cut:, :].clone()
+                self.past_context(seen + new)
+            if self._fits(key_states, value_states):
+                keys, values = self._append(key_states, value_states)
+            else:
+                keys = torch.cat([self.keys, key_states], dim=-2)
+                values = torch.cat([self.values, value_states], dim=-2)
+                if keys.requires_grad or values.requires_grad:    # keep the history: gradients reach past steps
+                    cut = max(0, keys.shape[-2] - self.keep)       # clone: a view would keep the prompt alive
+                    self.keys, self.values, self._buf = keys[..., cut:, :].clone(), values[..., cut:, :].clone(), None
+                else:
+                    self._start_buffer(keys, values)
             self.cumulative_length = seen + new
             setattr(keys, FIRST_KEY_POSITION, seen + new - keys.shape[-2])
             return keys, values
 
+        @staticmethod
+        def rows(kept: int) -> int:
+            """Buffer rows for ``kept`` kept ones: room for a quarter as many new ones (at least 16); until a layer
+            keeps its ``keep`` rows, the buffer grows (a quarter each time) with the tokens it holds."""
+            return kept + max(16, kept // 4)
+
+        def _fits(self, key_states, value_states) -> bool:
+            buf = getattr(self, "_buf", None)
+            if buf is None or self.keys is not self._kept[0] or self.values is not self._kept[1]:
+                return False
+            k = buf[0]
+            return (not (key_states.requires_grad or value_states.requires_grad)
+                    and key_states.shape[:2] == k.shape[:2] and key_states.dtype == k.dtype
+                    and key_states.device == k.device and self.keys.shape[-2] + key_states.shape[-2] <= k.shape[-2])
+
+        def _append(self, key_states, value_states):
+            (k, v), (start, end), new = self._buf, self._span, key_states.shape[-2]
+            if end + new > k.shape[-2]:                          # out of room: the kept rows to the start
+                k[..., :end - start, :] = k[..., start:end, :].clone()
+                v[..., :end - start, :] = v[..., start:end, :].clone()
+                start, end = 0, end - start
+            k[..., end:end + new, :] = key_states
+            v[..., end:end + new, :] = value_states
+            keys, values = k[..., start:end + new, :], v[..., start:end + new, :]
+            self._keep_rows(max(start, end + new - self.keep), end + new)
+            return keys, values
+
+        def _start_buffer(self, keys, values) -> None:
+            n = min(self.keep, keys.shape[-2])
+            shape = keys.shape[:2] + (self.rows(n),) + keys.shape[3:]   # grows with the tokens seen, up to keep
+            self._buf = (keys.new_empty(shape), values.new_empty(shape))
+            self._buf[0][..., :n, :] = keys[..., keys.shape[-2] - n:, :]
+            self._buf[1][..., :n, :] = values[..., values.shape[-2] - n:, :]
+            self._keep_rows(0, n)
+
+        def _keep_rows(self, start: int, end: int) -> None:
+            self._span = (start, end)
+            self.keys, self.values = self._buf[0][..., start:end, :], self._buf[1][..., start:end, :]
+            self._kept = (self.keys, self.values)
+
         def get_mask_sizes(self, query_length: int):
-            kept = min(self.cumulative_length, self.keep)
+            kept = min(self.cumulative_length, self.mask_keep)
             return kept + query_length, self.cumulative_length - kept
 
         def get_seq_length(self) -> int:
