@@ -198,7 +198,7 @@ def _batch_rows(batch_size, max_batch_size) -> tuple[int | None, int | None]:
     if isinstance(batch_size, str) and batch_size.strip().lower().startswith("auto"):
         log.info("fibattn lm-eval: batch_size %s -> rows of up to %d tokens a forward", batch_size, AUTO_TOKENS)
         return None, cap
-    rows = parse_int("batch_size", batch_size, 1)
+    rows = 1 if batch_size is None else parse_int("batch_size", batch_size, 1)     # None: lm-eval's default
     return (rows if cap is None else min(rows, cap)), cap
 
 
