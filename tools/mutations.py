@@ -228,9 +228,8 @@ MUTATIONS = [
              "        valid = valid & real[:, at]\n", "        pass\n",
              ("tests/test_hf_dropin.py", "-k", "gather_their_columns")),
     Mutation("hf-cached-step-own-set-ignored", "interop", "src/fibattn/interop/hf_documents.py",
-             "_set_for(spec, full, n) if per_row else tuple(full) for n in lengths]\n"
-             "    return _per_set(sets, (query, key, value, real)",
-             "tuple(full) for n in lengths]\n    return _per_set(sets, (query, key, value, real)",
+             "sets = [_set_for(spec, full, n) for n in real.sum(-1).clamp(min=1).tolist()]",
+             "sets = [tuple(full) for n in real.sum(-1).clamp(min=1).tolist()]",
              ("tests/test_hf_dropin.py", "-k", "attended_keys")),
     Mutation("hf-fibcache-compaction-drops-values", "interop",
              "src/fibattn/interop/hf_remote/modeling_fibattn_llama.py",

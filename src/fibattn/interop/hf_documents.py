@@ -61,8 +61,10 @@ def gathered(spec, full, query, key, value, real, per_row: bool, scaling):
     through the keys at its set's distances, gathered: O(Tq·|D|), where a mask over every key costs O(Tq·Tk).
     ``real`` ``(B, tk)``: the keys that are not padding, or None. ``per_row``: every key of the rows is in hand,
     so a row's length is its real keys and it takes that length's set; else every row takes ``full``."""
-    lengths = real.sum(-1).clamp(min=1).tolist() if per_row and real is not None else [key.shape[2]] * key.shape[0]
-    sets = [_set_for(spec, full, n) if per_row else tuple(full) for n in lengths]
+    if per_row and real is not None:       # a padded row's length is its real keys
+        sets = [_set_for(spec, full, n) for n in real.sum(-1).clamp(min=1).tolist()]
+    else:                                  # every row's length is the keys in hand: ``full`` (no set a row a step)
+        sets = [tuple(full)] * key.shape[0]
     return _per_set(sets, (query, key, value, real), lambda q, k, v, r, dists: _gather(q, k, v, dists, r, scaling))
 
 
