@@ -1,7 +1,8 @@
 """The cpu kernel set's vector rows (issue 29) against the reference: production head sizes, ragged
 lengths, grouped heads and packed documents, outputs and gradients of q, k, v and alpha; the alpha
 gradient bit-identical for any thread count; more columns than the lanes hold (the generic rows
-then); the backward's scratch kept between calls of any size; the generic rows kept selectable."""
+then); the backward's scratch kept between calls of any size; the generic rows kept selectable; outputs
+written by streaming stores the same bits as by plain ones."""
 import dataclasses
 import functools
 
@@ -61,7 +62,9 @@ def _both(q, k, v, dout, W, alpha, docs):
     (50, 80, 2, 1, 12, None),                # Dh 80: 10 vectors, grouped
     (45, 256, 2, 2, 6, (10, 2)),             # Dh 256: 32 vectors, documents
 ])
-def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs):
+@pytest.mark.parametrize("stream", [False, True])
+def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs, stream, monkeypatch):
+    monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0 if stream else None)   # True: every output streams
     q, k, v, dout = make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh)
     ids = None if docs is None else _docs(1, T, docs)
     (gi, gf), (wi, wf) = _both(q, k, v, dout, W, 1.37, ids)
@@ -122,6 +125,37 @@ def test_both_backward_schedules_give_the_same_bits(kind):
     for threads in (5, 1):
         for a, b in zip(runs[2], runs[threads]):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
+    """Outputs at least ``stream_min_bytes`` large (by default the threads' L2 caches) are written by
+    streaming stores: out, dq, dk and dv, the last of a group's query heads finishing dk and dv. The
+    same bits as plain stores, with grouped heads, documents, both backward schedules, the generic rows
+    (which never stream) and an output not aligned to the vector size (which does not either)."""
+    q, k, v, dout = (x.to(dtype) for x in make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=13))
+    cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
+    off = offsets_unchecked(torch.cat([_docs(1, 333, (70, 1, 190)), _docs(1, 333, (333,))]))
+    for kind in ("rows", "tiled"):
+        for threads, docs in ((1, off), (5, off), (2, None)):         # streamed and two-pass schedules
+            monkeypatch.setattr(cpu_backend, "stream_min_bytes", 1 << 62)
+            plain = _kernels(q, k, v, dout, cols, kind, threads, docs)
+            monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0)
+            for a, b in zip(plain, _kernels(q, k, v, dout, cols, kind, threads, docs)):
+                assert torch.equal(a, b)
+    shifted = torch.empty(q.numel() + 1, dtype=dtype)[1:].view(q.shape)   # 4 or 8 bytes past an aligned start
+    aux = torch.empty(cpu_backend.aux_shape(q, len(cols.lo), True), dtype=dtype)
+    out, _ = cpu_backend.attn_forward(q, k, v, cols, 0.3, into=(shifted, aux))
+    assert torch.equal(out, plain[0])                                  # the tiled rows' without documents
+    poisoned = tuple(torch.full_like(x, float("nan")) for x in (q, k, v))   # every row of dq, dk, dv is written
+    grads = cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, 0.3, need_dfrac=True, into=poisoned)
+    for a, b in zip(grads, plain[1:]):
+        assert torch.equal(a, b)
+    assert cpu_backend._stream_out(q).value == 1
+    monkeypatch.setattr(cpu_backend, "stream_min_bytes", None)
+    l2 = cpu_backend._l2_bytes()
+    assert l2 >= 1 << 14 and cpu_backend._stream_out(torch.empty(1 << 14, dtype=torch.uint8)).value == 0
+    assert cpu_backend._stream_out(torch.empty(l2 * torch.get_num_threads(), dtype=torch.uint8)).value == 1
 
 
 def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypatch):

@@ -48,7 +48,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _CFLAGS = ("-O2", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno")
 _LDFLAGS = ("-shared", "-fopenmp")
 _PARTS = (1, 2)   # cpu_kernels.c's FA_PART: its float and its double kernels, compiled side by side
-_ABI = 13
+_ABI = 14
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -56,6 +56,9 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
 KERNELS = ("tiled", "rows")
 kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"
+# Outputs of at least this many bytes are written by streaming stores (cpu_kernels.c, tapsums); None:
+# the L2 caches of the threads that write them (an output larger than those goes to memory anyway)
+stream_min_bytes: int | None = None
 
 
 @dataclass
@@ -265,6 +268,27 @@ def _fast() -> ctypes.c_int:
     return ctypes.c_int(kernel == "tiled")
 
 
+@functools.cache
+def _l2_bytes() -> int:
+    """One core's L2 cache in bytes (Linux sysfs; 1 MiB where it cannot be read)."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * scale
+        except (OSError, ValueError):
+            break
+    return 1 << 20
+
+
+def _stream_out(x: torch.Tensor) -> ctypes.c_int:
+    """Whether the kernels write ``x`` (an output) by streaming stores: too large to stay in the
+    writing threads' caches, its lines need not be read before they are written (0.92x the op at 4K)."""
+    limit = stream_min_bytes if stream_min_bytes is not None else _l2_bytes() * torch.get_num_threads()
+    return ctypes.c_int(x.numel() * x.element_size() >= limit)
+
+
 def _pointer(x: torch.Tensor | None):
     return None if x is None else _ptr(x.data_ptr())
 
@@ -299,7 +323,7 @@ def attn_forward(q, k, v, cols, scale: float, off=None, into=None):
     out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)))
     if aux.numel():
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *_split(aux, q, C), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(), _stream_out(out),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
@@ -321,7 +345,7 @@ def attn_backward(q, k, v, out, aux, dout, cols, scale: float, need_dfrac: bool 
         failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout)), *_split(aux, q, C),
                     *(_ptr(x.data_ptr()) for x in (dS, dq, dk, dv)),
                     _pointer(dfrac), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(),
+                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(), _stream_out(dq),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_bwd could not allocate its scratch buffers")

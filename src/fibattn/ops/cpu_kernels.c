@@ -64,6 +64,20 @@ typedef int64_t i64;
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
 
+/* Streaming stores (VSTNT) take whole vectors at aligned addresses; a thread's are ordered before
+ * the end of its parallel region by the fence. */
+static inline int fa_aligned(const void *p) { return (uintptr_t)p % FA_VBYTES == 0; }
+static inline void fa_fence(void) {
+#if defined(__AVX__)
+    _mm_sfence();
+#endif
+}
+
+/* Ask for [p, p + bytes) in the L2 cache ahead of its use. */
+static inline void fa_prefetch(const void *p, i64 bytes) {
+    for (const char *c = (const char *)p; c < (const char *)p + bytes; c += 64) __builtin_prefetch(c, 0, 1);
+}
+
 /* out[j] = -min(off[j], lim) * D for j < n, four at a time: the element offsets of the rows that a
  * row near its document start reads (those past the start clamp to it). */
 static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i64 n, i64 lim, i64 D) {
@@ -79,7 +93,7 @@ static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i6
 }
 
 #if !defined(FA_PART) || FA_PART == 1
-int fa_abi_version(void) { return 13; }
+int fa_abi_version(void) { return 14; }
 #endif
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
@@ -148,6 +162,19 @@ typedef int64_t SFX(ivec) __attribute__((vector_size(FA_VBYTES)));
 #define VSEL(m, a, b) ((SFX(vec))(((SFX(ivec))(a) & (m)) | ((SFX(ivec))(b) & ~(m))))
 #define VLD(p) (*(const SFX(uvec) *)(p))
 #define VST(p, x) (*(SFX(uvec) *)(p) = (x))
+/* A streaming (non-temporal) store of a whole aligned vector: the line goes to memory without being
+ * read first (see tapsums' stream) */
+#if defined(__AVX512F__) && FA_VBYTES == 64 && FA_RBYTES == 4
+#define VSTNT(p, x) _mm512_stream_ps((float *)(p), (__m512)(x))
+#elif defined(__AVX512F__) && FA_VBYTES == 64
+#define VSTNT(p, x) _mm512_stream_pd((double *)(p), (__m512d)(x))
+#elif defined(__AVX__) && FA_RBYTES == 4
+#define VSTNT(p, x) _mm256_stream_ps((float *)(p), (__m256)(x))
+#elif defined(__AVX__)
+#define VSTNT(p, x) _mm256_stream_pd((double *)(p), (__m256d)(x))
+#else
+#define VSTNT(p, x) VST(p, x)
+#endif
 
 FA_INLINE REAL SFX(hsum)(SFX(vec) a) {
 #if FA_VL == 16
@@ -723,7 +750,10 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
 /* Rows [m0, m1) of y += sum_t c_t(m) x[row of tap t] over a row's taps (nm[m - m0] of them, none when -1;
  * n when nm is NULL): tap t's row at byte offset xo[t] from row m's (lanes_t's tnoff or tpoff);
  * coefficients c_t(m) = w[t] * cv[co[t]], cv = cb + (m - m0) * cs (w NULL: 1; co NULL: cv[t]); init: y
- * starts at 0 instead of its stored value. With lims (each row's limit, see the top of this file), a
+ * starts at 0 instead of its stored value. stream: y's rows are final and go to memory by streaming
+ * stores (y aligned to the vector size): an output too large for the caches skips the read of each
+ * of its lines that a plain store makes first (a fifth of the backward's memory traffic; at 4K the
+ * op took 0.92x the time, at 1K and 16K 0.93x). With lims (each row's limit, see the top of this file), a
  * tap past the row's document start reads the start row (only a last valid column's second tap does:
  * the callers drop the taps of invalid columns).
  * A row at a time with all its taps, its sums in registers: y goes through the caches once, and the tap
@@ -733,8 +763,9 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
  * AVX2) and 5 instructions, against 18 with the tests and clamps inside (one thread at 4K, those made
  * the forward 1.06x slower; with two threads, where the rows far back come from L3, 1.03x). */
 FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const REAL *restrict cb, i64 cs,
-                            const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init, i64 n,
-                            i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims, const int NV) {
+                            const i64 *restrict xo, const i64 *restrict co, const REAL *restrict w, int init,
+                            int stream, i64 n, i64 m0, i64 m1, const i64 *restrict nm, const i64 *restrict lims,
+                            const int NV) {
     const i64 D = (i64)NV * FA_VL;
     enum { CH = 8 };                                  /* vectors of a row in registers at once */
     for (i64 m = m0; m < m1; m++) {
@@ -752,8 +783,13 @@ FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const RE
             else if (!co && !w) FA_TAPS(cv[t], xo[t])
             else if (!w) FA_TAPS(cv[co[t]], xo[t])
             else FA_TAPS(w[t] * cv[co ? co[t] : t], xo[t])
+            if (stream) {
 #pragma GCC unroll 8
-            for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
+                for (int c = 0; c < nc; c++) VSTNT(y + (c0 + c) * FA_VL, a[c]);
+            } else {
+#pragma GCC unroll 8
+                for (int c = 0; c < nc; c++) VST(y + (c0 + c) * FA_VL, a[c]);
+            }
         }
     }
 }
@@ -801,13 +837,13 @@ FA_INLINE int SFX(block_rows)(i64 *restrict lims, i64 *restrict nvs, i64 *restri
 FA_INLINE void SFX(fwd_vblock)(const REAL *restrict qh, const REAL *restrict kb, const REAL *restrict vb,
                                REAL *restrict oh, REAL *restrict ph, REAL *restrict gh, const int32_t *pb,
                                const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 i0, i64 i1, i64 C, const i64 *lo,
-                               REAL scale, const int NV) {
+                               REAL scale, int stream, const int NV) {
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
     i64 lims[FA_BLOCK], nvs[FA_BLOCK], nts[FA_BLOCK];
     const i64 *cl = SFX(block_rows)(lims, nvs, nts, pb, L, i0, i1, C, lo) ? lims : NULL;
     SFX(block_dots)(blk, L, qh, kb, i0, i1, cl, NV);
     SFX(fwd_vmids)(blk, ph, gh, cb, L, nvs, i0, i1, C, scale);
-    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, L->n1, i0, i1, nts, cl,
+    SFX(tapsums)(oh, vb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, stream, L->n1, i0, i1, nts, cl,
                  NV);
 }
 
@@ -873,13 +909,13 @@ int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
  * dynamic chunks of blocks). */
 int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, REAL *G, i64 PH, i64 B, i64 H,
                      i64 Hk, i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
-                     REAL scale, const int32_t *dpos, int fast, int nt) {
+                     REAL scale, const int32_t *dpos, int fast, int stream_out, int nt) {
     const i64 g = H / Hk, nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
     if (C < 1 || lo[0] != 0 || SFX(taps_init)(&tp, C, lo, wlo, whi, two)) return 1;
     SFX(lanes_t) L;
     SFX(lanes_init)(&L, &tp, C, T, D, lo, wlo, whi, two);
-    const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0;
+    const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0, st = stream_out && nvx && fa_aligned(out);
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
@@ -898,7 +934,7 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                     REAL *oh = out + h * T * D, *ph = P + h * PH, *gh = G ? G + h * PH : NULL;
                     i64 nv = 0;
                     FA_WITH_NV(nvx, if (NV) {
-                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, NV);
+                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, st, NV);
                     } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
@@ -907,6 +943,7 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                     })
                 }
             }
+        fa_fence();
         if (bad) {
 #pragma omp atomic write
             failed = 1;
@@ -960,7 +997,7 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
                                const REAL *restrict gh_, const REAL *restrict ph,
                                const REAL *restrict sh, REAL *restrict dsh, REAL *restrict dqh, double *restrict part,
                                const int32_t *pb, const SFX(lanes_t) *L, SFX(vec) *restrict blk, i64 *restrict tab,
-                               i64 i0, i64 i1, i64 C, const i64 *lo, REAL scale, const int NV) {
+                               i64 i0, i64 i1, i64 C, const i64 *lo, REAL scale, int stream, const int NV) {
     const i64 D = (i64)NV * FA_VL;
     REAL *cb = (REAL *)(blk + FA_BLOCK * 2 * FA_MAXG);
     i64 lims[FA_BLOCK], nvs[FA_BLOCK], nts[FA_BLOCK];
@@ -975,21 +1012,22 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
                       SFX(ngroups)(nv), C, scale, NV);
     }
-    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, L->n1, i0, i1, nts, cl,
+    SFX(tapsums)(dqh, kb, cb, FA_MAXG * FA_VL, L->tnoff, SFX(tap_lanes)(L), NULL, 1, stream, L->n1, i0, i1, nts, cl,
                  NV);
 }
 
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
  * taps each: those whose reader row m + off exists; -1 marks a row left to bwd_col):
  * dk += sum_t w dS[m + off, col] q[m + off], dv += sum_t w P[m + off, col] dout[m + off].
- * A row at a time with all its taps (tapsums); cix[t] = off * C + col. */
+ * A row at a time with all its taps (tapsums); cix[t] = off * C + col. The group's first query head
+ * starts the sums (dk and dv need no zeroing first), its last may stream them out (tapsums). */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
                               const SFX(taps_t) *tp, const SFX(lanes_t) *L, const i64 *restrict cix, i64 m0,
-                              i64 m1, const i64 *restrict nm, i64 C, const int NV) {
+                              i64 m1, const i64 *restrict nm, i64 C, int first, int stream, const int NV) {
     for (int side = 0; side < 2; side++)
         SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, L->tpoff, cix,
-                     tp->one ? NULL : tp->w, 0, 0, m0, m1, nm, NULL, NV);
+                     tp->one ? NULL : tp->w, first, stream, 0, m0, m1, nm, NULL, NV);
 }
 
 FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
@@ -1060,6 +1098,7 @@ typedef struct {
     i64 PH, H, Hk, T, D, C, nb;
     REAL scale;
     int nvx;                     /* vector rows' NV, or 0: the generic rows */
+    int stream_out;              /* the vector rows stream dq, dk and dv out (tapsums) */
 } SFX(bwd_t);
 
 /* Pass 1 of block blk of key/value head bh, by query row: dS and dq of its query heads' rows. */
@@ -1075,9 +1114,12 @@ static void SFX(bwd_pass1)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         const REAL *qh = a->q + o, *oh = a->out + o, *gh_ = a->dout + o, *ph = a->P + op;
         REAL *dsh = a->dS + oc, *dqh = a->dq + o;
         i64 nv = 0;
+        /* the vector rows' pass 1 reads no q row (but for alpha without slopes); pass 2 reads them
+         * a block later, for the first time from memory: fetched now, they wait in L2 (0.97x the backward) */
+        if (a->nvx) fa_prefetch(qh + i0 * D, (i1 - i0) * D * (i64)sizeof(REAL));
         FA_WITH_NV(a->nvx, if (NV) {
             SFX(bwd_vblock)(qh, kb, vb, gh_, ph, a->G ? a->G + op : NULL, dsh, dqh, part, pb, a->L, ws->blk,
-                            ws->tab, i0, i1, C, a->lo, a->scale, NV);
+                            ws->tab, i0, i1, C, a->lo, a->scale, a->stream_out, NV);
         } else for (i64 i = i0; i < i1; i++) {
             const i64 lim = pb ? pb[i] : i;
             nv = SFX(nvalid)(nv, lim, C, a->lo);
@@ -1096,7 +1138,6 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
     const int32_t *pb = a->dpos ? a->dpos + (bh / Hk) * T : NULL;
     const i64 *eb = a->ends ? a->ends + (bh / Hk) * T : NULL;
     REAL *dkb = a->dk + bh * T * D, *dvb = a->dv + bh * T * D;
-    for (i64 m = i0; m < i1; m++) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
     /* vector rows: the taps whose reader row exists, for rows that no reader reaches
      * through a clamp (-1: bwd_col's row); the same for every query head of the group */
     i64 nm[FA_BLOCK];
@@ -1106,12 +1147,15 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         while (n && m + tp->off[n - 1] >= end) n--;
         nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
     }
+    for (i64 m = i0; m < i1; m++)              /* bwd_col adds to its rows; bwd_ktile starts its own */
+        if (!a->nvx || nm[m - i0] < 0) SFX(zero)(dkb + m * D, D), SFX(zero)(dvb + m * D, D);
     for (i64 gh = 0; gh < g; gh++) {
         const i64 h = (bh / Hk) * a->H + (bh % Hk) * g + gh;
         const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;
         const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh = a->dS + oc;
         FA_WITH_NV(a->nvx, if (NV) {
-            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->L, a->cix, i0, i1, nm, C, NV);
+            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->L, a->cix, i0, i1, nm, C, gh == 0,
+                           a->stream_out && gh == g - 1, NV);
             for (i64 m = i0; m < i1; m++)
                 if (nm[m - i0] < 0)
                     SFX(bwd_col)(dkb + m * D, dvb + m * D, qh, gh_, ph, dsh, tp, ws, m, pb ? pb[m] == 0 : m == 0,
@@ -1137,7 +1181,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                      const REAL *P, const REAL *G, i64 PH, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac,
                      i64 B, i64 H, i64 Hk,
                      i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
-                     REAL scale, const int32_t *dpos, int fast, int nt) {
+                     REAL scale, const int32_t *dpos, int fast, int stream_out, int nt) {
     const i64 nb = (T + FA_BLOCK - 1) / FA_BLOCK;
     SFX(taps_t) tp;
     if (C < 1 || lo[0] != 0) return 1;
@@ -1154,9 +1198,10 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
     }
     SFX(lanes_t) L;
     SFX(lanes_init)(&L, &tp, C, T, D, lo, wlo, whi, two);
+    const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0;    /* vector rows: dS is kept times scale (dk's factor) */
     const SFX(bwd_t) a = {q, k, v, out, dout, P, G, whi, dS, dq, dk, dv, parts, dpos, ends, lo, cix, two, &tp, &L,
-                          PH, H, Hk, T, D, C, nb, scale,
-                          L.ok ? SFX(fixed_nv)(D, fast) : 0};  /* vector rows: dS is kept times scale (dk's factor) */
+                          PH, H, Hk, T, D, C, nb, scale, nvx,
+                          stream_out && nvx && fa_aligned(dq) && fa_aligned(dk) && fa_aligned(dv)};
     const i64 units = B * Hk, lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;
     const int streamed = units >= nt && (units % nt == 0 || units >= 4 * nt);   /* balanced enough */
     int failed = 0;
@@ -1182,6 +1227,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
                 for (i64 blk = 0; blk < nb; blk++)
                     if (!bad) SFX(bwd_pass2)(&a, &ws, bh, blk);
         }
+        fa_fence();
         if (bad) {
 #pragma omp atomic write
             failed = 1;
