@@ -42,6 +42,15 @@ def test_rows_paths_run_the_generic_kernel_and_lines_compare_them(monkeypatch, o
     assert torch.get_num_threads() == 1
 
 
+def test_kernel_ratio_is_the_median_of_each_rounds_ratio():
+    """Rounds are interleaved, so a round's two times share the machine's load of that moment."""
+    rows = ba.Record(64, "integer-rows", "cpu-rows", ms=3.0, gflop_s=1.0, rounds_ms=[2.0, 8.0, 3.0])
+    tiled = ba.Record(64, "integer", "cpu", ms=1.0, gflop_s=3.0, rounds_ms=[1.0, 8.0, 1.0])
+    assert bf.round_ratio(rows, tiled) == 2.0                     # ratios 2, 1, 3 (medians alone: 3)
+    assert bf.round_ratio(ba.Record(64, "a", "cpu", ms=3.0), ba.Record(64, "b", "cpu", ms=2.0)) == 1.5
+    assert "= 2.00x (median of the rounds' ratios; medians 3.0 vs 1.0 ms)" in bf.flop_lines([rows, tiled], None)[1]
+
+
 def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread):
     cfg = ba.BenchConfig(lengths=[40], repeats=2, heads=2, kv_heads=1, head_dim=16, window=3, fib_k=5,
                          memory=False, paths=["integer", "interpolated", "integer-rows"])

@@ -158,6 +158,34 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     assert cpu_backend._stream_out(torch.empty(l2 * torch.get_num_threads(), dtype=torch.uint8)).value == 1
 
 
+@pytest.mark.parametrize("kind", ["tiled", "rows"])
+def test_a_forward_without_backward_saves_no_state(kind, monkeypatch):
+    """Under no_grad (eval, generation) the public op asks for no saved state: the kernels skip P and
+    the slopes, and out is the same bits as a forward that saves them (integer and interpolated
+    columns, documents, grouped heads)."""
+    monkeypatch.setattr(cpu_backend, "kernel", kind)
+    q, k, v, _ = make(B=2, H=4, Hkv=2, T=150, Dh=32, seed=14)
+    ids = _docs(2, 150, (60, 1, 40))
+    off = offsets_unchecked(ids)
+    for cols in (host_columns(ColumnSpec((0, 1, 2, 5, 9, 40)), None, 150),
+                 host_columns(ColumnSpec(None, 4, (1, 2, 3, 5, 8, 13, 21, 34), None), 1.37, 150)):
+        out, aux = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
+        bare, none = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off, save=False)
+        assert none is None and aux is not None and torch.equal(out, bare)
+    splits = []
+    real = cpu_backend._split
+    monkeypatch.setattr(cpu_backend, "_split", lambda *a: splits.append(1) or real(*a))
+    dists = attended_distances(4, 1.5, "fib", 150)
+    with torch.no_grad():
+        plain = fibattn.sparse_attention(q, k, v, dists, backend="cpu", document_ids=ids)
+        frac = fibattn.interpolated_sparse_attention(q, k, v, alpha=1.37, base="fib", window=4, backend="cpu")
+    assert not splits                                              # neither call handed the kernels a state
+    with_state = fibattn.sparse_attention(q.requires_grad_(), k, v, dists, backend="cpu", document_ids=ids)
+    assert splits and torch.equal(plain, with_state.detach())
+    assert torch.equal(frac, fibattn.interpolated_sparse_attention(q, k, v, alpha=1.37, base="fib", window=4,
+                                                                   backend="cpu").detach())
+
+
 def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypatch):
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=2)
     cols = host_columns(ColumnSpec(None, 12, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89), None), 1.5, 150)

@@ -77,6 +77,7 @@ class Record:
     mode: str = "fwd+bwd"
     gb_s: float | None = None
     gflop_s: float | None = None
+    rounds_ms: list[float] | None = None     # each timed round, in the interleaved order
 
 
 def copy_gb_s(device: str, nbytes: int = 1 << 31) -> float:
@@ -200,7 +201,7 @@ def bench_length(cfg: BenchConfig, T: int, backward: bool = True) -> list[Record
     del steps
     inputs = None
     for p in live:
-        recs[p].ms = statistics.median(times[p])
+        recs[p].rounds_ms, recs[p].ms = times[p], statistics.median(times[p])
         recs[p].gflop_s = gflop_rate(cfg, p, T, recs[p].ms, backward)
         if cfg.on_cuda and p in ("integer", "interpolated", *DOC_PATHS.values()):
             recs[p].gb_s = traffic_bytes(cfg, T, backward) / (recs[p].ms / 1e3) / 1e9

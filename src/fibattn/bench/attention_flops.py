@@ -11,6 +11,7 @@ bound on the work done).
 """
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -62,6 +63,13 @@ def peak_line(peak: float) -> str:
             f"best of 5, measured in this run)")
 
 
+def round_ratio(a, b) -> float:
+    """The median over timed rounds of ``a``'s time over ``b``'s (records of one interleaved run): this
+    machine's speed drifts by tens of percent within a run, and a round's two times share its load."""
+    pairs = list(zip(a.rounds_ms or [], b.rounds_ms or []))
+    return statistics.median(x / y for x, y in pairs) if pairs else a.ms / b.ms
+
+
 def flop_lines(records, peak: float | None) -> list[str]:
     """Per (length, mode): each fused path's GFLOP/s and share of ``peak``, and tiled vs rows kernels."""
     lines = []
@@ -74,8 +82,10 @@ def flop_lines(records, peak: float | None) -> list[str]:
         lines.append(f"T={T} {mode}: " + ", ".join(parts))
         for op in ("integer", "interpolated"):
             if op in by and f"{op}-rows" in by:
+                rows, tiled = by[f"{op}-rows"], by[op]
                 lines.append(f"T={T} {mode}: {op}, generic rows kernel / tiled kernel = "
-                             f"{by[f'{op}-rows'].ms / by[op].ms:.2f}x ({by[f'{op}-rows'].ms:.1f} vs {by[op].ms:.1f} ms)")
+                             f"{round_ratio(rows, tiled):.2f}x (median of the rounds' ratios; medians {rows.ms:.1f} "
+                             f"vs {tiled.ms:.1f} ms)")
     return lines
 
 

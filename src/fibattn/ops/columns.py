@@ -113,12 +113,13 @@ def docs(off) -> dict:
 
 
 def host_forward(attn_forward, q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None,
-                 off=None):
+                 off=None, save: bool = True):
     """``(out in q's dtype, P)`` through a host kernel set's ``attn_forward`` over Columns
-    (``plan``, or the columns of ``spec`` at ``alpha``); ``off`` the documents' offsets (``documents``)."""
+    (``plan``, or the columns of ``spec`` at ``alpha``); ``off`` the documents' offsets (``documents``);
+    ``save`` False: no backward follows, and ``P`` may be None."""
     cd = compute_dtype(q.dtype)
     cols = plan if plan is not None else host_plan(spec, alpha, q.shape[2])
-    out, P = attn_forward(_to(q, cd), _to(k, cd), _to(v, cd), cols, scale, **docs(off))
+    out, P = attn_forward(_to(q, cd), _to(k, cd), _to(v, cd), cols, scale, save=save, **docs(off))
     return _to(out, q.dtype), P
 
 
@@ -138,8 +139,9 @@ def host_interface(attn_forward, attn_backward):
     """``(forward, backward, aux_like, plan)`` of the op interface for a host kernel set's fused
     pair; ``forward`` / ``backward`` take an optional ``off=`` (documents) and ``plan=`` (``plan(spec, alpha, T)``'s
     Columns) so that a caller running both computes the columns once."""
-    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None, off=None):
-        return host_forward(attn_forward, q, k, v, spec, alpha, scale, plan, off)
+    def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, plan: Columns | None = None, off=None,
+                save: bool = True):
+        return host_forward(attn_forward, q, k, v, spec, alpha, scale, plan, off, save)
 
     def backward(dout, q, k, v, out, aux, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool,
                  plan: Columns | None = None, off=None):

@@ -15,7 +15,8 @@ or 256 with AVX2) run vector rows (a row's columns in SIMD lanes; see ``cpu_kern
 than 16 vectors of lanes, or ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows
 (issue 29's baseline).
 Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
-their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); an interpolated
+their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); outputs larger than
+the threads' L2 caches are written by streaming stores (:data:`stream_min_bytes`); an interpolated
 forward saves its score slopes next to ``P`` (:func:`aux_shape`).
 The library needs ``libgomp.so.1``; loaded after torch it binds to the copy torch already
 loaded, so the kernels and torch share one OpenMP runtime.
@@ -311,18 +312,20 @@ def _split(aux: torch.Tensor, q: torch.Tensor, C: int) -> tuple:
     return _ptr(aux.data_ptr()), G, _i64(aux.shape[2] * aux.shape[3])
 
 
-def attn_forward(q, k, v, cols, scale: float, off=None, into=None):
+def attn_forward(q, k, v, cols, scale: float, off=None, into=None, save: bool = True):
     """``(out, aux)``: softmax attention over ``cols`` (an ``engine.Columns``); ``aux`` is the
-    saved state (:func:`aux_shape`). ``off`` (B, T) int32: each row's position inside its document
-    (None: one document per row). ``into``: ``(out, aux)`` to write instead of new tensors
-    (contiguous, the right shapes; the kernels alone, for ``bench attention``)."""
+    saved state (:func:`aux_shape`), None when ``save`` is False (no backward follows: the kernels
+    skip its stores). ``off`` (B, T) int32: each row's position inside its document (None: one
+    document per row). ``into``: ``(out, aux)`` to write instead of new tensors (contiguous, the
+    right shapes; the kernels alone, for ``bench attention``)."""
     q, k, v = _prep(q, k, v)
     off = _positions(off, q)
     fn = _kernel("fa_attn_fwd", q.dtype)
     C = len(cols.lo)
-    out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)))
-    if aux.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *_split(aux, q, C), *_dims(q, k), _i64(C),
+    out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)) if save else None)
+    if out.numel():
+        state = _split(aux, q, C) if aux is not None else (None, None, _i64(0))
+        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *state, *_dims(q, k), _i64(C),
                     *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(), _stream_out(out),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:

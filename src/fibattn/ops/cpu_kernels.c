@@ -734,7 +734,7 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
     for (i64 i = i0; i < i1; i++) {
         SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG;
         for (int g = 0; g < SFX(ngroups)(nvs[i - i0]); g++) s[g] *= inv[i - i0];
-        SFX(put_cols)(ph + i * C, s, L, C);
+        if (ph) SFX(put_cols)(ph + i * C, s, L, C);
         SFX(coefs)(cb + (i - i0) * FA_MAXG * FA_VL, s, L, 1);
     }
 }
@@ -862,8 +862,8 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
         for (i64 t = 0; t < n; t++) s[tp->col[t]] += tp->w[t] * ws->d[t];
     }
     SFX(softmax)(s, nv, scale);
-    for (i64 c = 0; c < nv; c++) pi[c] = s[c];
-    for (i64 c = nv; c < C; c++) pi[c] = 0;
+    for (i64 c = 0; pi && c < nv; c++) pi[c] = s[c];
+    for (i64 c = nv; pi && c < C; c++) pi[c] = 0;
     const REAL *cf = s;
     if (!tp->one) {
         for (i64 t = 0; t < n; t++) ws->cf[t] = s[tp->col[t]] * tp->w[t];
@@ -903,7 +903,8 @@ int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
 
 /* out = softmax(scale * q.k_cols) . v_cols;  P keeps the probabilities and G (or NULL) the score slopes
  * (see fwd_vmids; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
- * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C. */
+ * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C.
+ * P and G NULL: no saved state, for a forward that no backward follows (0.92-0.97x its time). */
 /* The fused kernels split (head, block) statically: each thread streams whole heads (contiguous
  * chunks), which keeps a head's rows in its own caches (measured 10-15 % faster at 16K than
  * dynamic chunks of blocks). */
@@ -931,15 +932,15 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
                 for (i64 gh = 0; gh < g; gh++) {
                     const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
                     const REAL *qh = q + h * T * D;
-                    REAL *oh = out + h * T * D, *ph = P + h * PH, *gh = G ? G + h * PH : NULL;
+                    REAL *oh = out + h * T * D, *ph = P ? P + h * PH : NULL, *gh = G ? G + h * PH : NULL;
                     i64 nv = 0;
                     FA_WITH_NV(nvx, if (NV) {
                         SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, st, NV);
                     } else for (i64 i = i0; i < i1; i++) {
                         const i64 lim = pb ? pb[i] : i;
                         nv = SFX(nvalid)(nv, lim, C, lo);
-                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph + i * C, gh ? gh + i * C : NULL, &tp, &ws, i,
-                                     lim, nv, D, C, scale);
+                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph ? ph + i * C : NULL, gh ? gh + i * C : NULL,
+                                     &tp, &ws, i, lim, nv, D, C, scale);
                     })
                 }
             }

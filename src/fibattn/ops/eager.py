@@ -46,8 +46,8 @@ def attention(name: str, backend: str, q: Tensor, k: Tensor, v: Tensor, spec: Co
                                     or (alpha is not None and alpha.requires_grad)):
         return Attention.apply(q, k, v, alpha, kern, spec, scale, off)
     if off is None:                                               # nothing to differentiate: no autograd node
-        return kern.forward(q, k, v, spec, alpha, scale)[0]
-    return kern.forward(q, k, v, spec, alpha, scale, off=off)[0]
+        return kern.forward(q, k, v, spec, alpha, scale, save=False)[0]     # and no saved state
+    return kern.forward(q, k, v, spec, alpha, scale, off=off, save=False)[0]
 
 
 class Attention(torch.autograd.Function):

@@ -133,15 +133,15 @@ def _setup(q, k, cols, prims, off):
     return prims, group, entries, mix, diff, rows >= lo
 
 
-def attn_forward(q, k, v, cols, scale: float, prims=None, off=None):
+def attn_forward(q, k, v, cols, scale: float, prims=None, off=None, save: bool = True):
     """``(out, P)``: softmax attention over ``cols`` (``columns.Columns``) from the band
-    primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)``; ``off`` the
-    documents' offsets (``documents``) or None."""
+    primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)`` (None unless
+    ``save``); ``off`` the documents' offsets (``documents``) or None."""
     prims, group, entries, mix, _, valid = _setup(q, k, cols, prims, off)
     s = (prims.scores(q, k, entries, group) @ mix.t()) * scale
     s = s.masked_fill(~valid, float("-inf"))
     P = torch.softmax(s, dim=-1)
-    return prims.wsum(P @ mix, v, entries, group), P
+    return prims.wsum(P @ mix, v, entries, group), P if save else None
 
 
 def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, prims=None, off=None):

@@ -183,7 +183,8 @@ def _launch(q, hkv, wb):
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
 
 
-def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None):
+def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool = True):
+    # save=False (no backward follows) changes nothing here: the saved state, lse, is (B, H, T)
     q, k, v = _prep(q, k, v)
     B, H, T, D = q.shape
     hkv = k.shape[1]
