@@ -105,6 +105,11 @@ def test_a_deferred_mask_that_hides_a_key_is_built():
         ids, [0, 1, 2, 4, 10])
     assert not DeferredMask(dict(mask_function=mu.and_masks(packed, lambda b, h, q, kv: q - kv != 3))).hides(
         ids, [0, 1, 2, 4])
+    calls = []
+    once = DeferredMask(dict(mask_function=lambda *a: calls.append(1) or packed(*a)))  # every layer gets it
+    assert [once.hides(ids, d) for d in ([0, 1, 2, 4], [4, 2, 1, 0], [0, 1, 2, 4], [0, 9])] == [False] * 4
+    assert len(calls) == 2                                         # once a set; another ids tensor asks again
+    assert not once.hides(ids.clone(), [0, 9]) and len(calls) == 3
 
 
 @pytest.mark.parametrize("fib", [SETTINGS[1], SETTINGS[2]])

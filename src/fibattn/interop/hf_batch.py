@@ -13,6 +13,7 @@ import torch
 
 from ..checks import UsageError
 from ..ops import document_ids_from_cu_seqlens, document_ids_from_position_ids
+from ..ops.documents import offsets_unchecked
 
 _documents_of: list = [None, None, None, None]
 _key_padding_of: list = [None, None, None, None]
@@ -79,27 +80,36 @@ def padding_mask(*args, **kwargs):
 
 class DeferredMask:
     """transformers' boolean mask ``(B, 1, T, T)`` for another mask function than the plain causal one (packed
-    sequences), not built until the attention needs it whole: the sparse op reads it at its own columns only."""
+    sequences), not built until the attention needs it whole: the sparse op reads it at its own columns only.
+    Every layer of the forward gets this one object, so each answer is worked out once."""
 
     dtype = torch.bool
 
     def __init__(self, kwargs: dict):
-        self.kwargs = kwargs
+        self.kwargs, self._built, self._hidden = kwargs, None, (None, {})
 
     def dim(self) -> int:
         return 4
 
     def build(self) -> torch.Tensor:
         from transformers import masking_utils as mu
-        return mu.sdpa_mask(**self.kwargs)
+        if self._built is None:
+            self._built = mu.sdpa_mask(**self.kwargs)
+        return self._built
 
     def hides(self, ids, dists) -> bool:
         """Whether it hides a key at one of ``dists`` from a query whose document (``ids`` ``(B, T)``) holds it."""
+        if self._hidden[0] is not ids:
+            self._hidden = (ids, {})
+        answers, key = self._hidden[1], frozenset(dists)
+        if key not in answers:
+            answers[key] = self._hides(ids, key)
+        return answers[key]
+
+    def _hides(self, ids, dists) -> bool:
         B, T = ids.shape
         pos = torch.arange(T, device=ids.device)
-        start = torch.ones_like(ids, dtype=torch.bool)
-        start[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        off = pos - torch.where(start, pos, 0).cummax(-1).values           # position inside the document
+        off = offsets_unchecked(ids)                                       # position inside the document
         d = torch.tensor(sorted(dists), device=ids.device)
         q = pos[None, :, None].expand(B, T, len(d))
         inside = d <= off[..., None]

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import sparse_attention
+from ..ops.documents import offsets_unchecked
 
 
 def attend(query, key, value, allowed, scaling):
@@ -125,10 +126,9 @@ def _by_sets(spec, full, query, key, value, ids, scaling):
 def _spans(ids):
     """``(first, last)`` ``(B, T)``: the first and the last position of each token's document."""
     T, pos = ids.shape[1], torch.arange(ids.shape[1], device=ids.device)
-    start, end = torch.ones_like(ids, dtype=torch.bool), torch.ones_like(ids, dtype=torch.bool)
-    start[:, 1:] = end[:, :-1] = ids[:, 1:] != ids[:, :-1]
-    first = torch.where(start, pos, 0).cummax(-1).values
-    return first, torch.where(end, pos, T).flip(-1).cummin(-1).values.flip(-1)
+    end = torch.ones_like(ids, dtype=torch.bool)
+    end[:, :-1] = ids[:, 1:] != ids[:, :-1]
+    return pos - offsets_unchecked(ids), torch.where(end, pos, T).flip(-1).cummin(-1).values.flip(-1)
 
 
 def _inside(ids, pos):
