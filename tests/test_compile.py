@@ -35,6 +35,12 @@ def test_opcheck(backend, packed):
         res = torch.library.opcheck(custom_ops.interpolated_op,
                                     (q, k, v, a, 3, [1, 2, 3, 5, 8, 13], None, 0.3, backend, off))
         assert set(res.values()) == {"SUCCESS"}, res
+        bare = [x.detach() for x in (q, k, v, a)]             # the forward-only ops: nothing to differentiate
+        res = torch.library.opcheck(custom_ops.sparse_forward_op, (*bare[:3], [0, 1, 2, 5, 40], 0.3, backend, off))
+        assert set(res.values()) == {"SUCCESS"}, res
+        res = torch.library.opcheck(custom_ops.interpolated_forward_op,
+                                    (*bare, 3, [1, 2, 3, 5, 8, 13], None, 0.3, backend, off))
+        assert set(res.values()) == {"SUCCESS"}, res
 
 
 # Each kernel set's saved state (aux) for q (2, 4, 33, 8) at custom_ops.SAVED_STATE_VERSION: an op's
@@ -153,3 +159,50 @@ def test_fullgraph_compiled_fiblm_on_cuda(schedule):
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-4)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_compiled_forward_without_backward_saves_no_state(monkeypatch):
+    """Compiled under ``no_grad`` (or on inputs that need no gradient), both ops trace to their
+    forward-only custom ops: the cpu kernels get no saved state, and out is the same bits as eager's;
+    with gradients the graph keeps the op that saves it. The forward-only ops' vmap rule (folded
+    batch; a mapped alpha, one call per slice) matches a loop."""
+    from fibattn.ops import cpu_backend
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    a = torch.tensor(1.3, requires_grad=True)
+    ids = torch.tensor([[0] * 7 + [1] * 26, [0] * 20 + [1] * 13])
+
+    def f(q, k, v, a):
+        return (fibattn.sparse_attention(q, k, v, [0, 1, 2, 5, 40], backend="cpu", document_ids=ids)
+                + fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib", window=3, backend="cpu"))
+    codes, states = [], []
+
+    def record(gm, example_inputs):
+        codes.append(gm.code)
+        return gm.forward
+    real = cpu_backend._split
+    monkeypatch.setattr(cpu_backend, "_split", lambda *x: states.append(1) or real(*x))
+    compiled = torch.compile(f, backend=record, fullgraph=True)
+    with torch.no_grad():
+        want, got = f(q, k, v, a), compiled(q, k, v, a)
+    assert torch.equal(got, want) and not states
+    assert "sparse_attention_forward_v" in codes[-1] and "interpolated_sparse_attention_forward_v" in codes[-1]
+    bare = [x.detach() for x in (q, k, v, a)]
+    assert torch.equal(compiled(*bare), want) and not states and "_forward_v" in codes[-1]
+    out = compiled(q, k, v, a)                                    # gradients wanted: the state is saved
+    assert states and "_forward_v" not in codes[-1] and torch.equal(out.detach(), want)
+    out.sum().backward()
+    assert q.grad is not None and a.grad is not None
+
+    g = torch.Generator().manual_seed(5)
+    qs, ks, vs = (torch.randn(3, *x.shape, generator=g) for x in bare[:3])
+    alphas = torch.tensor([1.1, 1.3, 2.0])
+    fwd = custom_ops.sparse_forward_op
+    got = torch.vmap(lambda q, k: fwd(q, k, bare[2], [0, 1, 3], 0.3, "cpu", None))(qs, ks)
+    torch.testing.assert_close(got, torch.stack([fwd(qs[i], ks[i], bare[2], [0, 1, 3], 0.3, "cpu", None)
+                                                 for i in range(3)]), rtol=0, atol=0)
+    ifwd = custom_ops.interpolated_forward_op
+    args = (2, [1, 2, 3, 5, 8], None, 0.3, "cpu", None)
+    got = torch.vmap(lambda q, v, a: ifwd(q, bare[1], v, a, *args))(qs, vs, alphas)
+    torch.testing.assert_close(got, torch.stack([ifwd(qs[i], bare[1], vs[i], alphas[i], *args) for i in range(3)]),
+                               rtol=0, atol=0)

@@ -158,8 +158,11 @@ def test_dispatch_modes_see_the_custom_op():
     assert eager.eligible(q, k, v)
     with Record():
         assert not eager.eligible(q, k, v)
-        fibattn.sparse_attention(q, k, v, DISTS, backend="cpu")
-    assert f"fibattn.sparse_attention_v{custom_ops.SAVED_STATE_VERSION}.default" in seen
+        fibattn.sparse_attention(q, k, v, DISTS, backend="cpu")           # no backward can follow: no state
+        fibattn.sparse_attention(q.requires_grad_(), k, v, DISTS, backend="cpu")
+    n = custom_ops.SAVED_STATE_VERSION
+    assert [f for f in seen if f.startswith("fibattn.")] == [f"fibattn.sparse_attention_forward_v{n}.default",
+                                                             f"fibattn.sparse_attention_v{n}.default"]
 
 
 def test_auto_backend_on_the_eager_path_logs_its_pick_once(monkeypatch, caplog):

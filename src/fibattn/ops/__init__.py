@@ -130,6 +130,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
         return flex_backend.sparse_attention(q, k, v, dists, scale, document_ids)
     if eager.eligible(q, k, v):
         return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale, off)
+    if not custom_ops.needs_state(q, k, v):
+        return custom_ops.sparse_forward_op(q, k, v, dists, scale, backend, off)
     return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend, off)[0]
 
 
@@ -169,5 +171,7 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if eager.eligible(q, k, v, alpha):
         spec = ColumnSpec(None, window, tuple(values), reach)
         return eager.attention(name, backend, q, k, v, spec, alpha, scale, off)
+    if not custom_ops.needs_state(q, k, v, alpha):
+        return custom_ops.interpolated_forward_op(q, k, v, alpha, window, values, reach, scale, backend, off)
     return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend,
                                                         off)[0]

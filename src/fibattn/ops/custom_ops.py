@@ -6,7 +6,10 @@
 
 (``off``: the packed documents' offsets, ``documents``, or None)
 
-each with a ``..._backward`` op and a registered autograd formula. The names end in
+each with a ``..._backward`` op and a registered autograd formula, and a ``..._forward`` op returning
+``out`` alone for a forward that no backward follows (:func:`needs_state`): under ``no_grad`` or on inputs
+that need no gradient the kernels save nothing (the cpu kernels skip ``P`` and the slopes, as eager does).
+The names end in
 :data:`SAVED_STATE_VERSION`: torch.compile's on-disk caches key a compiled graph by its code,
 which names the ops, and not by their fake implementations, so a graph cached under another
 layout of ``aux`` would fail a size assert after an upgrade; a new name makes it a cache miss.
@@ -42,6 +45,13 @@ from .columns import ColumnSpec, docs
 SAVED_STATE_VERSION = 2   # bumped whenever a backend's ``aux`` changes shape (tests/test_compile.py pins them)
 
 
+def needs_state(*tensors) -> bool:
+    """Whether a forward on ``tensors`` (None skipped) must save the softmax state for a backward: grad
+    mode is on and one of them requires grad (functorch's ``grad`` marks what it differentiates so). The
+    compiler guards both, so a compiled graph is specialised on the answer."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _name(op: str) -> str:
     return f"fibattn::{op}_v{SAVED_STATE_VERSION}"
 
@@ -64,6 +74,8 @@ def _vmap_rule(op):
                 return op(*[a.select(d, i) if isinstance(a, Tensor) and d is not None else a
                             for a, d in zip(args, in_dims)])
             outs = [one(i) for i in range(n)]
+            if isinstance(outs[0], Tensor):                  # a forward-only op: out alone
+                return torch.stack(outs), 0
             return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
 
         def fold(a, d):
@@ -72,6 +84,8 @@ def _vmap_rule(op):
             a = a.movedim(d, 0) if d is not None else a.expand(n, *a.shape)
             return a.flatten(0, 1)
         res = op(*[fold(a, d) for a, d in zip(args, in_dims)])
+        if isinstance(res, Tensor):                          # a forward-only op: out alone
+            return res.unflatten(0, (n, -1)), 0
         return (tuple(r.unflatten(0, (n, -1)) if r.dim() else r for r in res),
                 tuple(0 if r.dim() else None for r in res))
     return rule
@@ -87,6 +101,17 @@ def sparse_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, b
 @sparse_op.register_fake
 def _(q, k, v, dists, scale, backend, off):
     return q.new_empty(q.shape), kernel_set(backend, q.device, log=False).aux_like(q, _spec(dists))
+
+
+@torch.library.custom_op(_name("sparse_attention_forward"), mutates_args=())
+def sparse_forward_op(q: Tensor, k: Tensor, v: Tensor, dists: list[int], scale: float, backend: str,
+                      off: Tensor | None) -> Tensor:
+    return kernel_set(backend, q.device).forward(q, k, v, _spec(dists), None, scale, save=False, **docs(off))[0]
+
+
+@sparse_forward_op.register_fake
+def _(q, k, v, dists, scale, backend, off):
+    return q.new_empty(q.shape)
 
 
 @torch.library.custom_op(_name("sparse_attention_backward"), mutates_args=())
@@ -172,6 +197,18 @@ def _(q, k, v, alpha, window, base, reach, scale, backend, off):
     return q.new_empty(q.shape), kern.aux_like(q, _spec(None, window, base, reach))
 
 
+@torch.library.custom_op(_name("interpolated_sparse_attention_forward"), mutates_args=())
+def interpolated_forward_op(q: Tensor, k: Tensor, v: Tensor, alpha: Tensor, window: int, base: list[int],
+                            reach: int | None, scale: float, backend: str, off: Tensor | None) -> Tensor:
+    kern = kernel_set(backend, q.device, interpolated=True)
+    return kern.forward(q, k, v, _spec(None, window, base, reach), alpha, scale, save=False, **docs(off))[0]
+
+
+@interpolated_forward_op.register_fake
+def _(q, k, v, alpha, window, base, reach, scale, backend, off):
+    return q.new_empty(q.shape)
+
+
 @torch.library.custom_op(_name("interpolated_sparse_attention_backward"), mutates_args=())
 def interpolated_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, aux: Tensor, alpha: Tensor,
                              window: int, base: list[int], reach: int | None, scale: float, backend: str,
@@ -230,5 +267,6 @@ class InterpolatedSparseAttention(torch.autograd.Function):
     def forward(q, k, v, alpha, window, base, reach, scale, backend, off):
         return interpolated_op(q, k, v, alpha, window, base, reach, scale, backend, off)
 
-for _op in (sparse_op, sparse_backward_op, interpolated_op, interpolated_backward_op):
+for _op in (sparse_op, sparse_backward_op, sparse_forward_op, interpolated_op, interpolated_backward_op,
+            interpolated_forward_op):
     _op.register_vmap(_vmap_rule(_op))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .backends import announce, kernels
 from .columns import ColumnSpec
-from .custom_ops import double_backward_error
+from .custom_ops import double_backward_error, needs_state
 
 _C = torch._C
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -42,8 +42,7 @@ def attention(name: str, backend: str, q: Tensor, k: Tensor, v: Tensor, spec: Co
     custom op, bit for bit."""
     kern = kernels(name)
     announce(backend, q.device, name)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                    or (alpha is not None and alpha.requires_grad)):
+    if needs_state(q, k, v, alpha):
         return Attention.apply(q, k, v, alpha, kern, spec, scale, off)
     if off is None:                                               # nothing to differentiate: no autograd node
         return kern.forward(q, k, v, spec, alpha, scale, save=False)[0]     # and no saved state
