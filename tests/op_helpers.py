@@ -5,9 +5,11 @@ Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 import torch
 
 import fibattn
+from fibattn.schedules import attended_distances
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
 FP64 = dict(rtol=1e-9, atol=1e-10)
+CPU_TOL = dict(rtol=1e-4, atol=1e-5)        # the cpu kernels in fp32 against the fp64 reference
 
 
 def make(B=2, H=4, Hkv=2, T=97, Dh=8, dtype=torch.float32, seed=0, noncontig=False, device="cpu"):
@@ -96,3 +98,32 @@ def alpha_grad_matches_fd(fn, q, k, v, dout, a0=1.3, h=1e-6):
     analytic = run(fn, q, k, v, dout, torch.tensor(a0, dtype=torch.float64))[-1].item()
     assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-7)
 
+
+
+def doc_ids(B: int, T: int, lengths) -> torch.Tensor:
+    """document_ids cutting each row into documents of the given lengths (the last one takes the rest)."""
+    ids, doc, left = [], 0, list(lengths)
+    while len(ids) < T:
+        n = left.pop(0) if left else T
+        ids += [doc] * min(n, T - len(ids))
+        doc += 1
+    return torch.tensor([ids] * B)
+
+
+def cpu_matches_reference(q, k, v, dout, W, alpha, docs):
+    """The cpu kernels' integer and interpolated (alpha ``alpha``) Fibonacci columns with window ``W``
+    and document_ids ``docs``: outputs and gradients against the fp64 reference."""
+    exact = [x.double() for x in (q, k, v, dout)]
+    dists = attended_distances(W, 1.5, "fib", q.shape[2])
+
+    def integer(backend):
+        return lambda q, k, v: fibattn.sparse_attention(q, k, v, dists, backend=backend, document_ids=docs)
+
+    def frac(backend):
+        return lambda q, k, v, a: fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib", window=W,
+                                                                        backend=backend, document_ids=docs)
+    a = torch.tensor(alpha)
+    close([g.double() for g in run(integer("cpu"), q, k, v, dout)], run(integer("reference"), *exact), **CPU_TOL)
+    got, want = run(frac("cpu"), q, k, v, dout, a), run(frac("reference"), *exact, a.double())
+    close([g.double() for g in got[:4]], want[:4], **CPU_TOL)
+    torch.testing.assert_close(got[4].double(), want[4], rtol=1e-4, atol=1e-4 * max(want[4].abs().item(), 1.0))

@@ -16,40 +16,9 @@ from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
-from op_helpers import close, make, run
+from op_helpers import CPU_TOL as TOL, close, cpu_matches_reference, doc_ids, make, run
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
-
-TOL = dict(rtol=1e-4, atol=1e-5)        # fp32 against the fp64 reference
-
-
-def _docs(B: int, T: int, lengths) -> torch.Tensor:
-    """document_ids cutting each row into documents of the given lengths (the last one takes the rest)."""
-    ids, doc, left = [], 0, list(lengths)
-    while len(ids) < T:
-        n = left.pop(0) if left else T
-        ids += [doc] * min(n, T - len(ids))
-        doc += 1
-    return torch.tensor([ids] * B)
-
-
-def _both(q, k, v, dout, W, alpha, docs):
-    """(integer, interpolated) results of the cpu kernels and of the fp64 reference."""
-    T = q.shape[2]
-    exact = [x.double() for x in (q, k, v, dout)]
-    dists = attended_distances(W, 1.5, "fib", T)
-
-    def integer(backend):
-        return lambda q, k, v: fibattn.sparse_attention(q, k, v, dists, backend=backend, document_ids=docs)
-
-    def frac(backend):
-        return lambda q, k, v, a: fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib", window=W,
-                                                                        backend=backend, document_ids=docs)
-    a = torch.tensor(alpha)
-    got = [run(integer("cpu"), q, k, v, dout), run(frac("cpu"), q, k, v, dout, a)]
-    want = [run(integer("reference"), *exact), run(frac("reference"), *exact, a.double())]
-    return got, want
-
 
 @pytest.mark.parametrize("T,Dh,H,Hkv,W,docs", [
     (1, 64, 2, 1, 12, None),                 # one row
@@ -66,21 +35,15 @@ def _both(q, k, v, dout, W, alpha, docs):
 def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs, stream, monkeypatch):
     monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0 if stream else None)   # True: every output streams
     q, k, v, dout = make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh)
-    ids = None if docs is None else _docs(1, T, docs)
-    (gi, gf), (wi, wf) = _both(q, k, v, dout, W, 1.37, ids)
-    close([g.double() for g in gi], wi, **TOL)
-    close([g.double() for g in gf[:4]], wf[:4], **TOL)
-    torch.testing.assert_close(gf[4].double(), wf[4], rtol=1e-4, atol=1e-4 * max(wf[4].abs().item(), 1.0))
+    ids = None if docs is None else doc_ids(1, T, docs)
+    cpu_matches_reference(q, k, v, dout, W, 1.37, ids)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("Dh", [32, 48, 64, 96, 128])
 def test_tiled_rows_match_reference_long_packed(Dh):
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=1500, Dh=Dh, seed=Dh)
-    (gi, gf), (wi, wf) = _both(q, k, v, dout, 12, 1.41, _docs(1, 1500, (700, 1, 300, 2)))
-    close([g.double() for g in gi], wi, **TOL)
-    close([g.double() for g in gf[:4]], wf[:4], **TOL)
-    torch.testing.assert_close(gf[4].double(), wf[4], rtol=1e-4, atol=1e-4 * max(wf[4].abs().item(), 1.0))
+    cpu_matches_reference(q, k, v, dout, 12, 1.41, doc_ids(1, 1500, (700, 1, 300, 2)))
 
 
 def _kernels(q, k, v, dout, cols, kind, threads, off=None):
@@ -115,7 +78,7 @@ def test_both_backward_schedules_give_the_same_bits(kind):
     their document) and a sequence whose last block is short: the same bits either way."""
     q, k, v, dout = make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=12)
     cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
-    off = offsets_unchecked(torch.cat([_docs(1, 333, (70, 1, 190)), _docs(1, 333, (333,))]))
+    off = offsets_unchecked(torch.cat([doc_ids(1, 333, (70, 1, 190)), doc_ids(1, 333, (333,))]))
     _kernels(q, k, v, dout, cols, kind, 1, off)                   # sizes the dS scratch; then poison it
     runs = {}
     for threads in (2, 5, 1):                                     # 4 head groups: streamed, two passes, streamed
@@ -135,7 +98,7 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     (which never stream) and an output not aligned to the vector size (which does not either)."""
     q, k, v, dout = (x.to(dtype) for x in make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=13))
     cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
-    off = offsets_unchecked(torch.cat([_docs(1, 333, (70, 1, 190)), _docs(1, 333, (333,))]))
+    off = offsets_unchecked(torch.cat([doc_ids(1, 333, (70, 1, 190)), doc_ids(1, 333, (333,))]))
     for kind in ("rows", "tiled"):
         for threads, docs in ((1, off), (5, off), (2, None)):         # streamed and two-pass schedules
             monkeypatch.setattr(cpu_backend, "stream_min_bytes", 1 << 62)
@@ -165,7 +128,7 @@ def test_a_forward_without_backward_saves_no_state(kind, monkeypatch):
     columns, documents, grouped heads)."""
     monkeypatch.setattr(cpu_backend, "kernel", kind)
     q, k, v, _ = make(B=2, H=4, Hkv=2, T=150, Dh=32, seed=14)
-    ids = _docs(2, 150, (60, 1, 40))
+    ids = doc_ids(2, 150, (60, 1, 40))
     off = offsets_unchecked(ids)
     for cols in (host_columns(ColumnSpec((0, 1, 2, 5, 9, 40)), None, 150),
                  host_columns(ColumnSpec(None, 4, (1, 2, 3, 5, 8, 13, 21, 34), None), 1.37, 150)):
@@ -274,7 +237,7 @@ def test_streamed_blocks_match_reference(docs):
     and the blocks that straddle a document start run row by row, in the same call."""
     T = 640
     q, k, v, dout = make(B=2, H=4, Hkv=2, T=T, Dh=64, seed=21)
-    ids = None if docs is None else _docs(2, T, docs)
+    ids = None if docs is None else doc_ids(2, T, docs)
     dists = [0, 1, 2, 3, 4, 5, 6, 9, 17, 30, 47]
     exact = [x.double() for x in (q, k, v, dout)]
 

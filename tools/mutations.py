@@ -161,6 +161,10 @@ MUTATIONS = [
     Mutation("c-vblock-drops-dfrac", "kernel offsets", C,
              "dsh, dqh, part, pb, a->L, ws->blk,", "dsh, dqh, NULL, pb, a->L, ws->blk,",
              ("tests/test_ops_cpu_tiled.py",)),
+    Mutation("c-avx512-tree-lanes-swapped", "vector width", C,       # the 16-lane add tree (AVX-512 fp32)
+             "#define FA_REV {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}",
+             "#define FA_REV {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 15, 7}",
+             ("tests/test_cpu_vector_width.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),

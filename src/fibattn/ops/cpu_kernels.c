@@ -53,11 +53,15 @@ typedef int64_t i64;
 #define FA_MAXG 16 /* vector groups of a whole row (cpu_kernels.c, lanes_t) */
 #define FA_INLINE static inline __attribute__((always_inline))
 
-/* SIMD width in bytes for the GCC vector types of the hot loops (lowered to what the CPU has). */
+/* SIMD width in bytes for the GCC vector types of the hot loops (lowered to what the CPU has). A build
+ * may set it: -DFA_VBYTES=64 on an AVX2 machine runs the AVX-512 width's lane logic on pairs of AVX2
+ * registers (tests/test_cpu_vector_width.py checks that width where no AVX-512 CPU is at hand). */
+#ifndef FA_VBYTES
 #if defined(__AVX512F__)
 #define FA_VBYTES 64
 #else
 #define FA_VBYTES 32
+#endif
 #endif
 #define FA_VL (FA_VBYTES / FA_RBYTES)
 
@@ -168,9 +172,9 @@ typedef int64_t SFX(ivec) __attribute__((vector_size(FA_VBYTES)));
 #define VSTNT(p, x) _mm512_stream_ps((float *)(p), (__m512)(x))
 #elif defined(__AVX512F__) && FA_VBYTES == 64
 #define VSTNT(p, x) _mm512_stream_pd((double *)(p), (__m512d)(x))
-#elif defined(__AVX__) && FA_RBYTES == 4
+#elif defined(__AVX__) && FA_VBYTES == 32 && FA_RBYTES == 4
 #define VSTNT(p, x) _mm256_stream_ps((float *)(p), (__m256)(x))
-#elif defined(__AVX__)
+#elif defined(__AVX__) && FA_VBYTES == 32
 #define VSTNT(p, x) _mm256_stream_pd((double *)(p), (__m256d)(x))
 #else
 #define VSTNT(p, x) VST(p, x)
@@ -216,10 +220,10 @@ FA_INLINE void SFX(vstore_n)(REAL *y, SFX(vec) x, i64 n) {
     _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), (__m512)x);
 #elif defined(__AVX512F__) && FA_VBYTES == 64
     _mm512_mask_storeu_pd(y, (__mmask8)((1u << n) - 1), (__m512d)x);
-#elif defined(__AVX__) && FA_RBYTES == 4
+#elif defined(__AVX__) && FA_VBYTES == 32 && FA_RBYTES == 4
     const SFX(ivec) lane = {0, 1, 2, 3, 4, 5, 6, 7};
     _mm256_maskstore_ps(y, (__m256i)(lane < (int32_t)n), (__m256)x);
-#elif defined(__AVX__)
+#elif defined(__AVX__) && FA_VBYTES == 32
     const SFX(ivec) lane = {0, 1, 2, 3};
     _mm256_maskstore_pd(y, (__m256i)(lane < (int64_t)n), (__m256d)x);
 #else
@@ -234,10 +238,10 @@ FA_INLINE SFX(vec) SFX(vload_n)(const REAL *y, i64 n) {
     return (SFX(vec))_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), y);
 #elif defined(__AVX512F__) && FA_VBYTES == 64
     return (SFX(vec))_mm512_maskz_loadu_pd((__mmask8)((1u << n) - 1), y);
-#elif defined(__AVX__) && FA_RBYTES == 4
+#elif defined(__AVX__) && FA_VBYTES == 32 && FA_RBYTES == 4
     const SFX(ivec) lane = {0, 1, 2, 3, 4, 5, 6, 7};
     return (SFX(vec))_mm256_maskload_ps(y, (__m256i)(lane < (int32_t)n));
-#elif defined(__AVX__)
+#elif defined(__AVX__) && FA_VBYTES == 32
     const SFX(ivec) lane = {0, 1, 2, 3};
     return (SFX(vec))_mm256_maskload_pd(y, (__m256i)(lane < (int64_t)n));
 #else

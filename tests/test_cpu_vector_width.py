@@ -1,0 +1,87 @@
+"""The cpu kernels at the SIMD width this machine does not run by default (cpu_kernels.c, FA_VBYTES):
+built here with the other width (AVX-512's 64 bytes on an AVX2 machine, lowered to pairs of AVX2
+registers; AVX2's 32 on an AVX-512 one) and checked against the reference, so that the lane logic of
+both widths is tested on whichever machine runs the suite. The AVX-512 intrinsics themselves are
+compiled for an AVX-512 target, as a machine that has one builds them."""
+import functools
+import platform
+import shutil
+
+import pytest
+import torch
+
+from fibattn.ops import cpu_backend
+from fibattn.ops.columns import ColumnSpec, host_columns
+
+from op_helpers import close, cpu_matches_reference, doc_ids, make
+
+pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
+
+
+@pytest.fixture(scope="module")
+def width(tmp_path_factory):
+    """The other vector width in bytes, with the backend switched to a library built for it."""
+    width = 32 if " avx512f " in f" {cpu_backend._cpu_flags()} " else 64
+    patch = pytest.MonkeyPatch()
+    patch.setenv("FIBATTN_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    patch.setattr(cpu_backend, "_CFLAGS", (*cpu_backend._CFLAGS, f"-DFA_VBYTES={width}"))
+    patch.setattr(cpu_backend, "_state", None)
+    assert cpu_backend.unavailable("cpu") is None
+    yield width
+    patch.undo()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_build_runs_the_other_width(width, dtype):
+    lanes = width // torch.empty((), dtype=dtype).element_size()
+    nv = functools.partial(cpu_backend.vector_rows, dtype)
+    assert [nv(lanes * n) for n in (1, 2, 4, 5, 8)] == [0, 2, 4, 0, 8]
+
+
+@pytest.mark.parametrize("T,Dh,H,Hkv,W,docs,dtype", [
+    (1, 64, 2, 1, 12, None, torch.float32),                # one row
+    (77, 64, 4, 2, 0, None, torch.float32),                # W = 0, grouped, a ragged last block
+    (200, 32, 2, 2, 12, (5, 1, 70, 64), torch.float32),    # documents across blocks, a document of one row
+    (131, 128, 2, 1, 6, (40, 3), torch.float32),           # Dh 128, documents, grouped
+    (97, 96, 2, 1, 12, (30, 2), torch.float32),            # Dh 96
+    (45, 256, 2, 2, 6, (10, 2), torch.float32),            # Dh 256
+    (150, 64, 4, 2, 12, (60, 1), torch.float64),           # the double kernels
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_other_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, stream, monkeypatch):
+    monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0 if stream else None)
+    q, k, v, dout = (x.to(dtype) for x in make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh))
+    cpu_matches_reference(q, k, v, dout, W, 1.37, None if docs is None else doc_ids(1, T, docs))
+
+
+def _kernels(q, k, v, dout, cols, kind, threads):
+    before, nt = cpu_backend.kernel, torch.get_num_threads()
+    cpu_backend.kernel = kind
+    torch.set_num_threads(threads)
+    try:
+        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3)
+        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True))
+    finally:
+        torch.set_num_threads(nt)
+        cpu_backend.kernel = before
+
+
+def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_rows(width):
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=64, seed=11)
+    cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
+    one = _kernels(q, k, v, dout, cols, "tiled", 1)
+    for a, b in zip(one, _kernels(q, k, v, dout, cols, "tiled", 3)):
+        assert torch.equal(a, b)
+    close(one, _kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
+    wide = host_columns(ColumnSpec(tuple(range(0, 300))), None, 400)      # more columns than 16 vectors' lanes
+    close(_kernels(q, k, v, dout, wide, "tiled", 2), _kernels(q, k, v, dout, wide, "rows", 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,
+                    reason="an x86-64 gcc")
+def test_avx512_build_compiles(tmp_path):
+    """Both halves, as ``-march=native`` builds them on an AVX-512 machine (its masked loads and stores
+    and streaming stores are intrinsics that an AVX2 build never compiles)."""
+    flags = [f for f in cpu_backend._CFLAGS if not f.startswith("-march")]
+    cpu_backend._run([["gcc", *flags, "-march=x86-64-v4", "-Werror", f"-DFA_PART={part}", "-c", "-o",
+                       str(tmp_path / f"part{part}.o"), str(cpu_backend._SOURCE)] for part in cpu_backend._PARTS])
