@@ -35,7 +35,7 @@ def width(tmp_path_factory):
 def test_the_build_runs_the_other_width(width, dtype):
     lanes = width // torch.empty((), dtype=dtype).element_size()
     nv = functools.partial(cpu_backend.vector_rows, dtype)
-    assert [nv(lanes * n) for n in (1, 2, 4, 5, 8)] == [0, 2, 4, 0, 8]
+    assert [nv(lanes * n) for n in (1, 2, 4, 5, 7, 8)] == [0, 2, 4, 5, 0, 8]
 
 
 @pytest.mark.parametrize("T,Dh,H,Hkv,W,docs,dtype", [
@@ -46,6 +46,11 @@ def test_the_build_runs_the_other_width(width, dtype):
     (97, 96, 2, 1, 12, (30, 2), torch.float32),            # Dh 96
     (45, 256, 2, 2, 6, (10, 2), torch.float32),            # Dh 256
     (150, 64, 4, 2, 12, (60, 1), torch.float64),           # the double kernels
+    (1025, 48, 2, 1, 12, (700, 1), torch.float32),         # Dh 48, past a tile's multiple
+    (90, 24, 2, 2, 3, None, torch.float32),                # Dh 24, 40, 7: vector rows at one width, the
+    (90, 40, 2, 1, 12, (20, 1), torch.float32),            # generic rows (and their vector tails) at the other
+    (90, 80, 2, 2, 12, None, torch.float32),               # Dh 80: 5 vectors of 16, 10 of 8
+    (61, 7, 3, 1, 5, (9, 1), torch.float64),
 ])
 @pytest.mark.parametrize("stream", [False, True])
 def test_other_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, stream, monkeypatch):

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reas
     (131, 128, 2, 1, 6, (40, 3)),            # Dh 128 (two register blocks), documents, grouped
     (97, 96, 2, 1, 12, (30, 2)),             # Dh 96: 12 vectors (a block of 8 and one of 4), documents
     (70, 48, 4, 2, 12, None),                # Dh 48: 6 vectors, grouped
+    (83, 40, 2, 1, 12, (20, 1)),             # Dh 40: 5 vectors, documents
     (66, 24, 2, 2, 5, (3, 40)),              # Dh 24: 3 vectors, documents
     (50, 80, 2, 1, 12, None),                # Dh 80: 10 vectors, grouped
     (45, 256, 2, 2, 6, (10, 2)),             # Dh 256: 32 vectors, documents
@@ -160,16 +161,16 @@ def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypa
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_common_head_sizes_run_the_vector_rows(dtype):
-    """Head sizes of 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors take the vector rows, every other the
-    generic rows; with AVX2 (8 fp32 lanes) that is fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128 and 256."""
+    """Head sizes of 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors take the vector rows, every other the
+    generic rows; with AVX2 (8 fp32 lanes) that is fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96, 128 and 256."""
     nv = functools.partial(cpu_backend.vector_rows, dtype)
     lanes = next(d for d in range(1, 65) if nv(2 * d))
     for dh in range(1, 40 * lanes):
-        want = dh // lanes if dh % lanes == 0 and dh // lanes in (2, 3, 4, 6, 8, 10, 12, 16, 32) else 0
+        want = dh // lanes if dh % lanes == 0 and dh // lanes in (2, 3, 4, 5, 6, 8, 10, 12, 16, 32) else 0
         assert nv(dh) == want, dh
     if dtype == torch.float32 and lanes == 8:
         sizes = (16, 24, 32, 40, 48, 64, 80, 96, 128, 192, 256)
-        assert [nv(dh) for dh in sizes] == [2, 3, 4, 0, 6, 8, 10, 12, 16, 0, 32]
+        assert [nv(dh) for dh in sizes] == [2, 3, 4, 5, 6, 8, 10, 12, 16, 0, 32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

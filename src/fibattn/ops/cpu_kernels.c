@@ -25,7 +25,7 @@
  * backward's key-row pass of a block follows its query-row pass of the blocks that read it
  * (fa_attn_bwd), on the same thread where the head groups divide among the threads.
  *
- * Vector rows (issue 29; head size 2, 3, 4, 6, 8, 10, 12, 16 or 32 SIMD vectors, fast != 0, see lanes_t):
+ * Vector rows (issue 29; head size 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors, fast != 0, see lanes_t):
  * a row's column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
  * whole-vector operations; the dots of FA_VL taps are summed by one transposing add tree, and the
  * sums over taps keep their accumulators in registers. A block of rows goes in phases (fwd_vblock,
@@ -884,6 +884,7 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     case 2: { const int NV = 2; __VA_ARGS__; } break;                                                  \
     case 3: { const int NV = 3; __VA_ARGS__; } break;                                                  \
     case 4: { const int NV = 4; __VA_ARGS__; } break;                                                  \
+    case 5: { const int NV = 5; __VA_ARGS__; } break;                                                  \
     case 6: { const int NV = 6; __VA_ARGS__; } break;                                                  \
     case 8: { const int NV = 8; __VA_ARGS__; } break;                                                  \
     case 10: { const int NV = 10; __VA_ARGS__; } break;                                                \
@@ -893,9 +894,9 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
     default: { const int NV = 0; __VA_ARGS__; }                                                        \
     }
 
-/* The vector rows need D a multiple of the vector width in one of FA_WITH_NV's sizes (2, 3, 4, 6, 8,
- * 10, 12, 16 or 32 vectors: fp32 Dh 16, 24, 32, 48, 64, 80, 96, 128 or 256 with AVX2, the common head
- * sizes); fast = 0 (the backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
+/* The vector rows need D a multiple of the vector width in one of FA_WITH_NV's sizes (2, 3, 4, 5, 6,
+ * 8, 10, 12, 16 or 32 vectors: fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96, 128 or 256 with AVX2, Dh 32 to
+ * 512 with AVX-512, the common head sizes at either width); fast = 0 (the backend's FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
 static int SFX(fixed_nv)(i64 D, int fast) {
     int nv = 0;
     if (fast && D % FA_VL == 0) FA_WITH_NV(D / FA_VL, nv = NV);
