@@ -59,14 +59,22 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone vs torch.mm 64x64")
     assert "integer " in lines[0] and "; interpolated " in lines[0] and "% of peak)" in lines[0]
     assert lines[0].count("of torch.mm") == 4 and lines[0].count(", torch.mm ") == 2
+    # kernel against kernel for the op whose generic rows the run times (integer here, not interpolated)
+    assert lines[0].count("generic rows kernels alone / kernels alone = ") == 1
+    assert lines[0].index("generic rows kernels alone") < lines[0].index("; interpolated ")
     calls = []
     for name in ("attn_forward", "attn_backward"):
         real = getattr(cpu_backend, name)
         monkeypatch.setattr(cpu_backend, name, lambda *a, _real=real, _name=name, **kw: (
             calls.append((_name, kw.get("into") is not None)), _real(*a, **kw))[1])
-    op_ms, ms, mm = bf.kernel_ms(cfg, "integer", 40, 2)
-    assert op_ms > 0 and ms > 0 and mm > 0
+    kt = bf.kernel_ms(cfg, "integer", 40, 2)
+    assert kt.op_ms > 0 and kt.kernels_ms > 0 and kt.mm_gflop_s > 0 and kt.rows_ratio is None
     # three rounds (one warm-up); the kernels alone always write into the tensors made beforehand
     # (the public op reaches the kernels through the op interface, not these module attributes)
     assert calls == [("attn_forward", True), ("attn_backward", True)] * 3
+    kinds = []
+    monkeypatch.setattr(cpu_backend, "attn_forward", lambda *a, _real=cpu_backend.attn_forward, **kw: (
+        kinds.append(cpu_backend.kernel), _real(*a, **kw))[1])
+    kt = bf.kernel_ms(cfg, "integer", 40, 2, rows=True)
+    assert kt.rows_ratio > 0 and kinds == ["tiled", "rows"] * 3 and cpu_backend.kernel == "tiled"
     assert bf.kernel_lines(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []

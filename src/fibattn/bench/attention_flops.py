@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -89,14 +90,23 @@ def flop_lines(records, peak: float | None) -> list[str]:
     return lines
 
 
-def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float, float]:
+@dataclass
+class KernelTimes:
+    op_ms: float             # the public op, fastest round
+    kernels_ms: float        # its cpu kernels alone, fastest round
+    mm_gflop_s: float        # torch.mm in the same rounds
+    rows_ratio: float | None  # the generic rows' kernels alone over the kernels alone: median of the rounds' ratios
+
+
+def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> KernelTimes:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
     (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
     (every output and the scratch allocated once beforehand) and of ``torch.mm`` (``MM_N``
-    square): ``(op_ms, kernels_ms, mm_gflop_s)``. The matmul rate comes from the same minutes as
-    the op's times, where the run's peak (``matmul_peak``) is taken once at its start, and this
-    machine's speed drifts by ±20 % over minutes."""
-    from .attention_paths import _distances, _inputs, make_step
+    square); ``rows``: also the generic rows' kernels alone (issue 29's baseline), kernel against
+    kernel, without the public op's fixed cost that both pay. The matmul rate comes from the same
+    minutes as the op's times, where the run's peak (``matmul_peak``) is taken once at its start, and
+    this machine's speed drifts by ±20 % over minutes."""
+    from .attention_paths import _distances, _inputs, _with_cpu_kernel, make_step
 
     leaves, dout = _inputs(cfg, T)
     q, k, v = (x.detach() for x in leaves)
@@ -112,15 +122,18 @@ def kernel_ms(cfg, path: str, T: int, rounds: int) -> tuple[float, float, float]
         out, aux = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
         cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, scale, need_dfrac=interp, into=bwd)
 
-    steps = (make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b))
-    best = [float("inf")] * len(steps)
+    steps = [make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b)]
+    if rows:
+        steps.append(_with_cpu_kernel("rows", kernels))
+    times = [[] for _ in steps]
     for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)
         for j, step in enumerate(steps):
             t0 = time.perf_counter()
             step()
             if r:
-                best[j] = min(best[j], time.perf_counter() - t0)
-    return best[0] * 1e3, best[1] * 1e3, 2 * MM_N ** 3 / best[2] / 1e9
+                times[j].append(time.perf_counter() - t0)
+    ratio = statistics.median(x / y for x, y in zip(times[3], times[1])) if rows else None
+    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9, ratio)
 
 
 def kernel_lines(cfg, peak: float | None) -> list[str]:
@@ -133,11 +146,14 @@ def kernel_lines(cfg, peak: float | None) -> list[str]:
     for T in cfg.lengths:
         parts = []
         for op in ops:
-            op_ms, ms, mm = kernel_ms(cfg, op, T, cfg.repeats)
+            kt = kernel_ms(cfg, op, T, cfg.repeats, rows=f"{op}-rows" in cfg.paths)
+            op_ms, ms, mm = kt.op_ms, kt.kernels_ms, kt.mm_gflop_s
             op_rate, rate = gflop_rate(cfg, op, T, op_ms), gflop_rate(cfg, op, T, ms)
             parts.append(f"{op} {op_ms:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), kernels alone "
                          f"{ms:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
-                         + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s")
+                         + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s"
+                         + (f", generic rows kernels alone / kernels alone = {kt.rows_ratio:.2f}x (median of the "
+                            "rounds' ratios)" if kt.rows_ratio else ""))
         lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
                      f"once; fastest of {cfg.repeats}, interleaved): " + "; ".join(parts))
     return lines
