@@ -11,9 +11,9 @@ and the CPU's feature flags; it is built in a temporary folder next to it (its f
 halves compiled side by side: gcc takes 8 s instead of 13 s on two cores) and renamed, so concurrent
 processes never load a half-written library. Threads: ``torch.get_num_threads()``.
 Head sizes of 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors (fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96,
-128 or 256 with AVX2; 32, 48, 64, 80, 96, 128, 160, 192, 256 or 512 with AVX-512) run vector rows (a row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns
-than 16 vectors of lanes, or ``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows
-(issue 29's baseline).
+128 or 256 with AVX2; 32, 48, 64, 80, 96, 128, 160, 192, 256 or 512 with AVX-512) run vector rows (a
+row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns than 16 vectors of lanes, or
+``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
 Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
 their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); outputs larger than
 the threads' L2 caches are written by streaming stores (:data:`stream_min_bytes`); an interpolated
