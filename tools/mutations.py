@@ -165,6 +165,9 @@ MUTATIONS = [
              "#define FA_REV {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15}",
              "#define FA_REV {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 15, 7}",
              ("tests/test_cpu_vector_width.py",)),
+    Mutation("c-avx512-max-half-lanes", "vector width", C,          # a 16-lane row max over 8 of its lanes
+             "    a = FA_MAX(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));"
+             "\n", "", ("tests/test_cpu_vector_width.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),
