@@ -5,6 +5,7 @@ Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 import torch
 
 import fibattn
+from fibattn.ops import cpu_backend
 from fibattn.schedules import attended_distances
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
@@ -127,3 +128,17 @@ def cpu_matches_reference(q, k, v, dout, W, alpha, docs):
     got, want = run(frac("cpu"), q, k, v, dout, a), run(frac("reference"), *exact, a.double())
     close([g.double() for g in got[:4]], want[:4], **CPU_TOL)
     torch.testing.assert_close(got[4].double(), want[4], rtol=1e-4, atol=1e-4 * max(want[4].abs().item(), 1.0))
+
+
+def cpu_kernels(q, k, v, dout, cols, kind, threads, off=None):
+    """The cpu kernel set's ``(out, dq, dk, dv, dfrac)`` over ``cols`` (scale 0.3), with its rows of
+    ``kind`` (tiled or rows) on ``threads`` threads; both settings are restored afterwards."""
+    before, nt = cpu_backend.kernel, torch.get_num_threads()
+    cpu_backend.kernel = kind
+    torch.set_num_threads(threads)
+    try:
+        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
+        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True, off=off))
+    finally:
+        torch.set_num_threads(nt)
+        cpu_backend.kernel = before

@@ -13,7 +13,7 @@ import torch
 from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 
-from op_helpers import close, cpu_matches_reference, doc_ids, make
+from op_helpers import close, cpu_kernels, cpu_matches_reference, doc_ids, make
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -61,27 +61,15 @@ def test_other_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, str
     cpu_matches_reference(q, k, v, dout, W, 1.37, None if docs is None else doc_ids(1, T, docs))
 
 
-def _kernels(q, k, v, dout, cols, kind, threads):
-    before, nt = cpu_backend.kernel, torch.get_num_threads()
-    cpu_backend.kernel = kind
-    torch.set_num_threads(threads)
-    try:
-        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3)
-        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True))
-    finally:
-        torch.set_num_threads(nt)
-        cpu_backend.kernel = before
-
-
 def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_rows(width):
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=64, seed=11)
     cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
-    one = _kernels(q, k, v, dout, cols, "tiled", 1)
-    for a, b in zip(one, _kernels(q, k, v, dout, cols, "tiled", 3)):
+    one = cpu_kernels(q, k, v, dout, cols, "tiled", 1)
+    for a, b in zip(one, cpu_kernels(q, k, v, dout, cols, "tiled", 3)):
         assert torch.equal(a, b)
-    close(one, _kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
+    close(one, cpu_kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
     wide = host_columns(ColumnSpec(tuple(range(0, 300))), None, 400)      # more columns than 16 vectors' lanes
-    close(_kernels(q, k, v, dout, wide, "tiled", 2), _kernels(q, k, v, dout, wide, "rows", 2), rtol=1e-6, atol=1e-6)
+    close(cpu_kernels(q, k, v, dout, wide, "tiled", 2), cpu_kernels(q, k, v, dout, wide, "rows", 2), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,

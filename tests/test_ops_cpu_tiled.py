@@ -16,7 +16,7 @@ from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
-from op_helpers import CPU_TOL as TOL, close, cpu_matches_reference, doc_ids, make, run
+from op_helpers import CPU_TOL as TOL, close, cpu_kernels, cpu_matches_reference, doc_ids, make, run
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -47,26 +47,14 @@ def test_tiled_rows_match_reference_long_packed(Dh):
     cpu_matches_reference(q, k, v, dout, 12, 1.41, doc_ids(1, 1500, (700, 1, 300, 2)))
 
 
-def _kernels(q, k, v, dout, cols, kind, threads, off=None):
-    before, cpu_backend.kernel = cpu_backend.kernel, kind
-    nt = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
-        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True, off=off))
-    finally:
-        torch.set_num_threads(nt)
-        cpu_backend.kernel = before
-
-
 @pytest.mark.parametrize("kind", ["tiled", "rows"])
 def test_alpha_gradient_is_bit_identical_for_any_thread_count(kind):
     """Per-(head, block) partial sums added in a fixed order (not OpenMP's reduction order)."""
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=32, seed=11)
     cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
-    one = _kernels(q, k, v, dout, cols, kind, 1)
+    one = cpu_kernels(q, k, v, dout, cols, kind, 1)
     for threads in (2, 3):
-        many = _kernels(q, k, v, dout, cols, kind, threads)
+        many = cpu_kernels(q, k, v, dout, cols, kind, threads)
         for a, b in zip(one, many):
             assert torch.equal(a, b)
 
@@ -80,12 +68,12 @@ def test_both_backward_schedules_give_the_same_bits(kind):
     q, k, v, dout = make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=12)
     cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
     off = offsets_unchecked(torch.cat([doc_ids(1, 333, (70, 1, 190)), doc_ids(1, 333, (333,))]))
-    _kernels(q, k, v, dout, cols, kind, 1, off)                   # sizes the dS scratch; then poison it
+    cpu_kernels(q, k, v, dout, cols, kind, 1, off)                   # sizes the dS scratch; then poison it
     runs = {}
     for threads in (2, 5, 1):                                     # 4 head groups: streamed, two passes, streamed
         for buf in cpu_backend._scratch.bufs.values():            # a dS read before it is written shows
             buf.fill_(float("nan"))
-        runs[threads] = _kernels(q, k, v, dout, cols, kind, threads, off)
+        runs[threads] = cpu_kernels(q, k, v, dout, cols, kind, threads, off)
     for threads in (5, 1):
         for a, b in zip(runs[2], runs[threads]):
             assert torch.equal(a, b)
@@ -103,9 +91,9 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     for kind in ("rows", "tiled"):
         for threads, docs in ((1, off), (5, off), (2, None)):         # streamed and two-pass schedules
             monkeypatch.setattr(cpu_backend, "stream_min_bytes", 1 << 62)
-            plain = _kernels(q, k, v, dout, cols, kind, threads, docs)
+            plain = cpu_kernels(q, k, v, dout, cols, kind, threads, docs)
             monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0)
-            for a, b in zip(plain, _kernels(q, k, v, dout, cols, kind, threads, docs)):
+            for a, b in zip(plain, cpu_kernels(q, k, v, dout, cols, kind, threads, docs)):
                 assert torch.equal(a, b)
     shifted = torch.empty(q.numel() + 1, dtype=dtype)[1:].view(q.shape)   # 4 or 8 bytes past an aligned start
     aux = torch.empty(cpu_backend.aux_shape(q, len(cols.lo), True), dtype=dtype)
@@ -153,7 +141,7 @@ def test_a_forward_without_backward_saves_no_state(kind, monkeypatch):
 def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypatch):
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=2)
     cols = host_columns(ColumnSpec(None, 12, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89), None), 1.5, 150)
-    close(_kernels(q, k, v, dout, cols, "tiled", 2), _kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
+    close(cpu_kernels(q, k, v, dout, cols, "tiled", 2), cpu_kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(cpu_backend, "kernel", "fast")
     with pytest.raises(UsageError, match="FIBATTN_CPU_KERNEL must be one of tiled, rows, got 'fast'"):
         cpu_backend.attn_forward(q, k, v, cols, 0.3)
@@ -181,7 +169,7 @@ def test_more_columns_than_lanes_run_the_generic_rows(dtype):
     wide = host_columns(ColumnSpec(tuple(range(0, 260))), None, 300)       # 260 columns > 16 * 8 lanes
     rungs = host_columns(ColumnSpec(None, 40, tuple(range(1, 120)), None), 1.7, 300)   # two taps each
     for cols in (wide, rungs):
-        close(_kernels(q, k, v, dout, cols, "tiled", 2), _kernels(q, k, v, dout, cols, "rows", 2),
+        close(cpu_kernels(q, k, v, dout, cols, "tiled", 2), cpu_kernels(q, k, v, dout, cols, "rows", 2),
               rtol=1e-6, atol=1e-6)
 
 
@@ -193,8 +181,8 @@ def test_backward_scratch_is_reused_across_sizes():
     for T in (64, 17, 40):
         q, k, v, dout = make(B=1, H=2, Hkv=2, T=T, Dh=16, seed=T)
         c = host_columns(ColumnSpec((0, 1, 2, 3, 5, 8)), None, T) if T != 64 else cols
-        got = _kernels(q, k, v, dout, c, "tiled", 1)
-        want = _kernels(q.double(), k.double(), v.double(), dout.double(), c, "rows", 1)
+        got = cpu_kernels(q, k, v, dout, c, "tiled", 1)
+        want = cpu_kernels(q.double(), k.double(), v.double(), dout.double(), c, "rows", 1)
         close([g.double() for g in got[:4]], want[:4], **TOL)
     bufs = cpu_backend._scratch.bufs
     assert bufs[torch.float32].numel() == 2 * 64 * 6     # (B, H, T, C) of the largest call
