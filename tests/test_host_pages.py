@@ -2,7 +2,11 @@
 maps or allocates; freed tensors' pages are reused by the next tensor of the same rounded size, never
 while any view of them lives; the pool keeps at most ``FIBATTN_HOST_POOL_MB``; results are the same
 with the pool on and off."""
+import ctypes
+import os
+import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +107,74 @@ def test_threads_get_memory_of_their_own():
     for t in threads:
         t.join()
     assert got == {i: True for i in range(4)}
+
+
+def _mapping(addr: int) -> str:
+    """The /proc/self/smaps block of the mapping that holds ``addr``."""
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        lo, hi = (int(x, 16) for x in block.split(" ", 1)[0].split("-"))
+        if lo <= addr < hi:
+            return block
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _thp_faults() -> dict:
+    return {k: int(n) for k, n in re.findall(r"^(thp_fault_\w+) (\d+)$", Path("/proc/vmstat").read_text(), re.M)}
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc")
+def test_pooled_regions_are_private_memory_that_gets_huge_pages():
+    """A pooled region is private anonymous memory: the huge-page advice works on it (an anonymous
+    mmap is shared by default, i.e. shmem, which the advice leaves on 4 KiB pages), and a forked child
+    writes copies of it (see the next test). Where the kernel gives anonymous memory huge pages on
+    advice, the region's first writes fault them in, unless none could be found (a fallback)."""
+    x = host_pages.huge_empty(torch.zeros(1), 3, MiB)              # 12 MiB
+    block = _mapping(x.data_ptr())
+    assert block.split()[1].endswith("p"), block.splitlines()[0]
+    assert " hg" in block, "the region was not advised onto huge pages"
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("transparent huge pages are off on this system")
+    before = _thp_faults()
+    x.fill_(1)
+    after = _thp_faults()
+    huge = int(re.search(r"AnonHugePages:\s+(\d+) kB", _mapping(x.data_ptr())).group(1))
+    fell_back = after.get("thp_fault_fallback", 0) > before.get("thp_fault_fallback", 0)
+    assert huge >= 8 * 1024 or fell_back, (huge, before, after)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_and_its_parent_never_share_pooled_memory():
+    """Both take the same free region from the pool they share at the fork: each must see only its
+    own writes (on shared memory the child's tensor would hold the parent's values)."""
+    q = torch.zeros(1, dtype=torch.uint8)
+    n = 4 * MiB
+    first = host_pages.huge_empty(q, n).data_ptr()                 # freed at once: the pool holds it
+    (child_in, to_child), (parent_in, to_parent) = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                   # no torch kernels here: fork and OpenMP
+        code = 1
+        try:
+            os.close(to_child), os.close(parent_in)
+            mine = host_pages.huge_empty(q, n)
+            code = 3
+            if mine.data_ptr() == first:
+                ctypes.memset(mine.data_ptr(), 1, n)
+                os.write(to_parent, b"x"), os.read(child_in, 1)
+                code = 0 if ctypes.string_at(mine.data_ptr(), n) == b"\x01" * n else 4
+        finally:
+            os._exit(code)
+    os.close(child_in), os.close(to_parent)
+    ready = os.read(parent_in, 1)                                  # b"": the child has exited
+    theirs = host_pages.huge_empty(q, n)
+    ctypes.memset(theirs.data_ptr(), 2, n)
+    if ready:
+        os.write(to_child, b"x")
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    os.close(to_child), os.close(parent_in)
+    assert code == 0, f"child exit {code}: 3, it did not take the pool's region; 4, it saw the parent's writes"
+    assert theirs.data_ptr() == first
+    assert ctypes.string_at(theirs.data_ptr(), n) == b"\x02" * n
 
 
 @pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")

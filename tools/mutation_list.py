@@ -94,6 +94,8 @@ MUTATIONS = [
     Mutation("pool-reuses-live-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
              "weakref.finalize(view, _pool.give, region).atexit = False", "_pool.give(region)",
              ("tests/test_host_pages.py",)),
+    Mutation("pool-maps-shared-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
+             "flags=_PRIVATE)", "flags=mmap.MAP_SHARED)", ("tests/test_host_pages.py",)),
     Mutation("c-bwd-lag-one-block-short", "kernel bounds", C,
              "lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;", "lag = maxoff / FA_BLOCK;",
              ("tests/test_ops_cpu_tiled.py", "-k", "schedules")),

@@ -32,6 +32,7 @@ from ..checks import UsageError
 
 _HUGE = 2 << 20         # a transparent huge page (x86-64; arm64 with 4 KiB pages)
 _MADV_HUGEPAGE = 14
+_PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,7 +72,9 @@ class _Region:
     """One anonymous mapping; ``start`` its first 2 MiB-aligned byte's offset, ``size`` what is usable."""
 
     def __init__(self, size: int):
-        self.map = mmap.mmap(-1, size + _HUGE)             # room to start on a huge-page boundary
+        # private: Python's default for an anonymous map is MAP_SHARED, i.e. shmem, which the advice
+        # below leaves on 4 KiB pages (shmem has huge pages only where shmem_enabled allows, off by default)
+        self.map = mmap.mmap(-1, size + _HUGE, flags=_PRIVATE)     # room to start on a huge-page boundary
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.start, self.size, self.limit = -base % _HUGE, size, 0
         _advise(base + self.start, size)
