@@ -5,6 +5,7 @@ with the pool on and off."""
 import ctypes
 import os
 import re
+import signal
 import threading
 from pathlib import Path
 
@@ -217,3 +218,34 @@ def test_strided_inputs_are_copied_onto_huge_pages(monkeypatch):
     got, _ = cpu_backend.attn_forward(q, k, vt, cols, 0.3)
     assert len(calls) == 3                       # and now v's copy
     close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_another_thread_held_the_pool_can_still_allocate():
+    """The pool's lock is new in a forked child: the parent's thread that held it does not exist there."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with host_pages._pool.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)                                   # a deadlock ends the child, not the test run
+                x = host_pages.huge_empty(torch.zeros(1, dtype=torch.uint8), 4 * MiB)
+                del x
+                code = 0 if host_pages.cached_bytes() == 4 * MiB else 2
+            finally:
+                os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        release.set()
+        holder.join()
+    assert code == 0, f"child exit {code} (-14: it waited on the parent's lock)"

@@ -96,6 +96,8 @@ MUTATIONS = [
              ("tests/test_host_pages.py",)),
     Mutation("pool-maps-shared-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
              "flags=_PRIVATE)", "flags=mmap.MAP_SHARED)", ("tests/test_host_pages.py",)),
+    Mutation("pool-lock-kept-across-fork", "memory reuse", "src/fibattn/ops/host_pages.py",
+             "os.register_at_fork(after_in_child=_pool.after_fork)", "pass", ("tests/test_host_pages.py",)),
     Mutation("c-bwd-lag-one-block-short", "kernel bounds", C,
              "lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;", "lag = maxoff / FA_BLOCK;",
              ("tests/test_ops_cpu_tiled.py", "-k", "schedules")),

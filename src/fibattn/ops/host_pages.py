@@ -13,7 +13,8 @@ Fresh huge pages still cost the kernel's zeroing of them (a third of the op's ti
 a freed tensor's pages go back to a pool and the next tensor of the same rounded size takes them,
 as PyTorch's CUDA caching allocator does with device memory. ``FIBATTN_HOST_POOL_MB`` bounds the
 free memory the pool keeps, the least recently freed dropped first (default 1024; 0: no pool);
-:func:`empty_cache` hands it back. A tensor on pooled memory cannot be resized in place.
+:func:`empty_cache` hands it back. A tensor on pooled memory cannot be resized in place. Regions are
+private memory, so a forked child (a DataLoader worker) writes copies of them, never its parent's tensors.
 """
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ class _Pool:
             while self.held > region.limit:
                 self.held -= self.free.pop(0).size
 
+    def after_fork(self) -> None:
+        """In a forked child: a new lock (another thread of the parent may have held this one at the
+        fork, and it would never be released here), the free list as the child inherited it."""
+        self.lock = threading.Lock()
+        self.held = sum(region.size for region in self.free)
+
     def clear(self) -> int:
         with self.lock:
             held, self.free, self.held = self.held, [], 0
@@ -112,6 +119,8 @@ class _Pool:
 
 
 _pool = _Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.after_fork)
 
 
 def empty_cache() -> int:
