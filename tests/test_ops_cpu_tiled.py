@@ -2,9 +2,12 @@
 lengths, grouped heads and packed documents, outputs and gradients of q, k, v and alpha; the alpha
 gradient bit-identical for any thread count; more columns than the lanes hold (the generic rows
 then); the backward's scratch kept between calls of any size; the generic rows kept selectable; outputs
-written by streaming stores the same bits as by plain ones."""
+written by streaming stores the same bits as by plain ones; the op in a forked child on one thread."""
 import dataclasses
 import functools
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -253,3 +256,35 @@ def test_a_build_that_fails_gives_the_reason_and_leaves_nothing_behind(tmp_path,
     build = cpu_backend._load()
     assert build.lib is None and "-DFA_PART=1" in build.reason and "oops" in build.reason
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_on_one_thread_runs_the_op():
+    """README, The op: after the parent ran the kernels on two threads, a forked child that sets one
+    thread (as DataLoader workers do) gets the parent's bits; more threads would hang in OpenMP, as
+    PyTorch's own ops do. The child is killed if it does not finish."""
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=300, Dh=64, seed=5)
+
+    def op(*x):
+        return fibattn.sparse_attention(*x, [0, 1, 2, 3, 20, 90], backend="cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = run(op, q, k, v, dout)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                torch.set_num_threads(1)
+                code = 0 if all(torch.equal(a, b) for a, b in zip(run(op, q, k, v, dout), want)) else 3
+            finally:
+                os._exit(code)
+    finally:
+        torch.set_num_threads(before)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL), os.waitpid(pid, 0)
+        pytest.fail("the op in the forked child did not finish in 120 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0, "3: the child's results differ from the parent's"

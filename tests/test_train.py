@@ -136,7 +136,7 @@ def test_learned_alphas_are_logged(tmp_path, data_dir):
     train(cfg)
     db = sqlite3.connect(tmp_path / "runs" / "results.sqlite")
     rows = db.execute("SELECT step, layer, alpha FROM alphas WHERE run='learned' ORDER BY step, layer").fetchall()
-    assert [(s, l) for s, l, _ in rows] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert [(s, layer) for s, layer, _ in rows] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     assert all(0.5 <= a <= 1.5 for _, _, a in rows)
 
 

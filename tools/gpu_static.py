@@ -48,7 +48,7 @@ The static H200 model (:func:`estimate_ms`)
     * tensor: ``tensor_flops_per_program`` (optional key of ``static_kernels``' dicts) at
       989 TFLOP/s (dense bf16); 0 when the key is absent;
     * memory: ``bytes_per_program`` (optional key) at 4.8 TB/s; when absent, each kernel
-      reads or writes each of its bf16 tensor arguments (Q, K, V, O, DO, DQ, DK, DV by
+      reads or writes each of its bf16 tensor arguments (Q, K, V, OUT, DO, DQ, DK, DV by
       name in its signature) once: q-shaped ones ``B x H x T x Dh``, k-shaped ones
       ``B x Hkv x T x Dh``;
     * launch: 4 us per kernel;
@@ -92,7 +92,7 @@ FA2_FWD_FLOPS, FA2_BWD_FLOPS = 330e12, 220e12
 GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.5,
          "min_speedup": {4096: 3.0, 16384: 20.0, 65536: 80.0}, "max_documents_ratio": 1.1}
 
-_Q_SHAPED, _KV_SHAPED = {"Q", "O", "DO", "DQ"}, {"K", "V", "DK", "DV"}
+_Q_SHAPED, _KV_SHAPED = {"Q", "OUT", "DO", "DQ"}, {"K", "V", "DK", "DV"}
 
 
 # ----------------------------------------------------------------------------- one kernel

@@ -240,7 +240,7 @@ def triton_cdiv(a: int, b: int) -> int:
 # ----------------------------------------------------------------------------- offline compilation
 _POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
              "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
-_TENSOR_ARGS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+_TENSOR_ARGS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 
 
 def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap: bool,

@@ -113,7 +113,7 @@ def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["T", "WB"])
-def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN, OFF,
+def fwd_kernel(Q, K, V, OUT, LSE, RLO, RWLO, RWHI, RN, OFF,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                T, WB, HKV, H, GROUP, DH, qk_scale,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
@@ -159,14 +159,14 @@ def fwd_kernel(Q, K, V, O, LSE, RLO, RWLO, RWHI, RN, OFF,
             acc += _dot_p(p, v1, IN, DOT)
     l_use = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_use[:, None]
-    tl.store(O + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+    tl.store(OUT + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & in_d[None, :])
     tl.store(LSE + (b * H + h) * T + i, (m_i + tl.log2(l_use)).to(LSE.dtype.element_ty), mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["T", "R", "WB"])
-def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN, OFF,
+def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN, OFF,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
                   sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
                   TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr,
@@ -181,7 +181,7 @@ def bwd_dq_kernel(Q, K, V, O, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWH
     in_d = offs_d < DH
     q = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, row_ok, in_d)
     do = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, row_ok, in_d)
-    o = _rows(O + b * sob, h * soh + i * sot, offs_d, row_ok, in_d)
+    o = _rows(OUT + b * sob, h * soh + i * sot, offs_d, row_ok, in_d)
     stat = (b * H + h) * T + i
     delta = tl.sum(do.to(ACC) * o.to(ACC), axis=1)
     tl.store(DELTA + stat, delta.to(DELTA.dtype.element_ty), mask=row_ok)
