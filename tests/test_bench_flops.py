@@ -1,5 +1,7 @@
 """``bench attention``'s achieved GFLOP/s, matmul peak, the tiled-vs-rows cpu kernel paths and the
 kernels timed alone (issue 29)."""
+import json
+
 import pytest
 import torch
 
@@ -55,7 +57,13 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     cfg = ba.BenchConfig(lengths=[40], repeats=2, heads=2, kv_heads=1, head_dim=16, window=3, fib_k=5,
                          memory=False, paths=["integer", "interpolated", "integer-rows"])
     monkeypatch.setattr(bf, "MM_N", 64)
-    lines = bf.kernel_lines(cfg, 50.0)
+    checks = bf.kernel_checks(cfg, 50.0)
+    assert [(c["check"], c["T"], c["op"]) for c in checks] == [("cpu_kernels", 40, "integer"),
+                                                               ("cpu_kernels", 40, "interpolated")]
+    assert checks[0]["rows_ratio"] > 0 and checks[1]["rows_ratio"] is None and checks[0]["peak_gflop_s"] == 50.0
+    assert all(c["op_ms"] > 0 and c["kernels_gflop_s"] > 0 and c["mm_gflop_s"] > 0 for c in checks)
+    json.dumps(checks)                                            # what --json prints
+    lines = bf.kernel_lines(checks)
     assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone vs torch.mm 64x64")
     assert "integer " in lines[0] and "; interpolated " in lines[0] and "% of peak)" in lines[0]
     assert lines[0].count("of torch.mm") == 4 and lines[0].count(", torch.mm ") == 2
@@ -77,4 +85,4 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
         kinds.append(cpu_backend.kernel), _real(*a, **kw))[1])
     kt = bf.kernel_ms(cfg, "integer", 40, 2, rows=True)
     assert kt.rows_ratio > 0 and kinds == ["tiled", "rows"] * 3 and cpu_backend.kernel == "tiled"
-    assert bf.kernel_lines(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []
+    assert bf.kernel_checks(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []

@@ -1,6 +1,6 @@
 """``tools/gpu_check.py`` keeps running where no GPU is: its ``--quick`` plumbing on the CPU
-(the attention bench's records and the static model's step, with the summary's goals), so
-that the script a lent device runs has not gone stale by the time one is lent."""
+(the attention bench's records, issue 29's CPU step and the static model's step, with the
+summary's goals), so that the script a lent device runs has not gone stale by the time one is lent."""
 import json
 import os
 import subprocess
@@ -19,7 +19,7 @@ def test_quick_check_runs_on_cpu(tmp_path):
         pytest.skip("triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only",
-                          "attention,static", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                          "attention,cpu,static", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=400, cwd=ROOT)
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -31,3 +31,12 @@ def test_quick_check_runs_on_cpu(tmp_path):
     assert set(static["estimate_ms"]) == {"4096", "16384", "65536"} and static["measured_ms"]
     assert summary["goals"]["interpolated/integer (worst length)"]["measured"] > 0
     assert summary["goals"]["dense/integer fwd+bwd at 65536"]["goal"] == ">= 60.0"
+    cpu, ratios = summary["cpu"], summary["ratios"]
+    assert {x["path"] for x in cpu["records"]} == {"integer", "interpolated", "integer-rows", "interpolated-rows"}
+    assert [(c["T"], c["op"]) for c in cpu["kernel_checks"]] == [(256, "integer"), (256, "interpolated")]
+    assert "avx512f" in cpu and cpu["cores"] >= 1
+    for key in ("cpu integer: generic rows / vector rows fwd+bwd", "cpu interpolated/integer fwd+bwd",
+                "cpu integer share of the matmul peak", "cpu integer kernels alone: generic rows / vector rows"):
+        assert ratios[f"{key} at 256"] > 0, key
+    assert summary["goals"]["cpu integer: generic rows / vector rows fwd+bwd at 4096"]["goal"] == ">= 2.0"
+    assert summary["goals"]["cpu interpolated/integer fwd+bwd at 16384"]["goal"] == "<= 1.4"

@@ -13,8 +13,12 @@ remaining steps are skipped and say so):
 4. a 200-step training run of the paper model shape, dense and fib-linear (W=12), on
    the bundled corpus (byte tokens, the paper's 32768-entry embedding): tok/s and loss;
 5. ``fibattn bench generate --device cuda --shapes paper --json``;
-6. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` at T=16384;
-7. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
+6. issue 29's CPU goals on this machine's own CPU (a GPU host's is likely to have AVX-512, the
+   cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
+   attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K), the vector rows
+   against the generic rows, the share of the matmul peak, interpolated ÷ integer;
+7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` at T=16384;
+8. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
    next to the measured forward + backward times, as measured ÷ estimated per length.
 
 Writes every step's log and ``summary.json`` (goals with their measured ratios) to
@@ -28,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +46,11 @@ GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B
     "train sparse/dense at 1024": 1.0, "train sparse/dense at 4096": 1.5,
 }
 MAX_GOALS = {"interpolated/integer (worst length)": 1.5}
+CPU_LENGTHS = (4096, 16384)      # issue 29: fp32, B=1, H=Hkv=8, Dh=64, 2 threads, on the host's CPU
+for _T in CPU_LENGTHS:
+    GOALS[f"cpu integer: generic rows / vector rows fwd+bwd at {_T}"] = 2.0
+    GOALS[f"cpu integer share of the matmul peak at {_T}"] = 0.30
+    MAX_GOALS[f"cpu interpolated/integer fwd+bwd at {_T}"] = 1.4
 
 
 class Runner:
@@ -223,6 +233,47 @@ def sweep(r: Runner, summary: dict) -> None:
     summary["sweep"] = results
 
 
+def cpu_flags() -> dict:
+    """The host CPU's model and the vector extensions the cpu kernels can use (Linux; {} elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    flags = set(found.group(1).split()) if found else set()
+    return {"model": model.group(1).strip() if model else None, "cores": os.cpu_count(),
+            **{f: f in flags for f in ("avx2", "fma", "avx512f", "amx_tile")}}
+
+
+def _round_ratio(a: dict, b: dict) -> float:
+    """Median over interleaved rounds of ``a``'s time over ``b``'s (as the bench's own line)."""
+    pairs = list(zip(a.get("rounds_ms") or [], b.get("rounds_ms") or []))
+    return statistics.median(x / y for x, y in pairs) if pairs else a["ms"] / b["ms"]
+
+
+def cpu(r: Runner, summary: dict) -> None:
+    """Issue 29's goals measured on this machine's CPU, on 2 threads as they were set."""
+    lengths = "256" if r.quick else ",".join(map(str, CPU_LENGTHS))
+    args = ["bench", "attention", "--device", "cpu", "--json", "--no-memory", "--repeats", "1" if r.quick else "5",
+            "--paths", "integer,interpolated,integer-rows,interpolated-rows", "--lengths", lengths]
+    recs = _json_lines(r.run("bench_cpu", _fibattn(*args), 180, {"OMP_NUM_THREADS": "2"}))
+    rows = {(x["T"], x["path"]): x for x in recs if "path" in x and x.get("ms")}
+    checks = [x for x in recs if x.get("check") == "cpu_kernels"]
+    summary["cpu"] = {**cpu_flags(), "records": [x for x in recs if "path" in x], "kernel_checks": checks}
+    ratios = summary.setdefault("ratios", {})
+    for (T, path), x in rows.items():
+        if path in ("integer", "interpolated") and (T, f"{path}-rows") in rows:
+            ratios[f"cpu {path}: generic rows / vector rows fwd+bwd at {T}"] = _round_ratio(rows[T, f"{path}-rows"], x)
+        if path == "interpolated" and (T, "integer") in rows:
+            ratios[f"cpu interpolated/integer fwd+bwd at {T}"] = x["ms"] / rows[T, "integer"]["ms"]
+    for c in checks:
+        if c["op"] == "integer" and c.get("peak_gflop_s"):
+            ratios[f"cpu integer share of the matmul peak at {c['T']}"] = c["op_gflop_s"] / c["peak_gflop_s"]
+        if c.get("rows_ratio"):
+            ratios[f"cpu {c['op']} kernels alone: generic rows / vector rows at {c['T']}"] = c["rows_ratio"]
+
+
 def static(r: Runner, summary: dict) -> None:
     """How far the offline model (``tools/gpu_static.py``) is from the measured times."""
     path = r.out / "gpu_static.json"
@@ -273,7 +324,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole check (default 470)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a plumbing check")
     p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,train_bench,training,"
-                                                "generate,sweep,static)")
+                                                "generate,cpu,sweep,static)")
     args = p.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -281,7 +332,7 @@ def main(argv=None) -> int:
     summary: dict = {"environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     print(json.dumps(summary["environment"]), flush=True)
     steps = {"tests": tests, "attention": attention, "train_bench": train_bench, "training": training,
-             "generate": generate, "sweep": sweep, "static": static}
+             "generate": generate, "cpu": cpu, "sweep": sweep, "static": static}
     chosen = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
     bad = [s for s in chosen if s not in steps]
     if bad:

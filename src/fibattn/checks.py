@@ -49,14 +49,15 @@ def check_positive(name: str, value) -> float:
     return value
 
 
-def parse_int_list(text, name: str, minimum: int = 1, error=UsageError) -> list[int]:
-    """``"1024,2048"`` -> ``[1024, 2048]``; anything else raises ``error`` naming ``name``."""
+def parse_int_list(text, name: str, minimum: int = 1, error=UsageError, empty: bool = False) -> list[int]:
+    """``"1024,2048"`` -> ``[1024, 2048]`` (``""`` -> ``[]`` where ``empty``); anything else raises
+    ``error`` naming ``name``."""
     msg = f"{name} must be a comma-separated list of integers >= {minimum}, got {text!r}"
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise error(msg) from None
-    if not values or any(v < minimum for v in values):
+    if (not values and not empty) or any(v < minimum for v in values):
         raise error(msg)
     return values
 

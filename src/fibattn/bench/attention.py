@@ -54,9 +54,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checks import parse_int_list
 from ..ops import backend_available
 from ..validation import ConfigError, check_sizes_fit
-from .attention_flops import flop_lines, gflop_rate, kernel_lines, matmul_peak, peak_line
+from .attention_flops import flop_lines, gflop_rate, kernel_checks, kernel_lines, matmul_peak, peak_line
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, ROWS_PATHS, BenchConfig,
                               _inputs, backend_name, check_documents, document_lines, make_step, mask_bytes,
                               pick_sdpa, sdpa_label, traffic_bytes)
@@ -135,11 +136,8 @@ def _reset_peak() -> None:
 
 
 def measure_in_process(cfg: BenchConfig, path: str, T: int, sdpa: str | None = None) -> dict:
-    """One forward+backward of ``path``: peak extra memory (MB) and its time.
-
-    A forward+backward at a tiny length runs first so that one-time costs (kernel loading,
-    thread pools, autograd start-up) are not counted as memory of the measured step.
-    """
+    """One forward+backward of ``path``: peak extra memory (MB) and its time. A forward+backward at a tiny
+    length runs first, so that one-time costs (kernel loading, thread pools, autograd start-up) are not counted."""
     make_step(cfg, path, min(T, 32), sdpa=sdpa)()
     inputs = _inputs(cfg, T)
     if cfg.on_cuda:
@@ -242,7 +240,8 @@ def table(records: list[Record], copy_rate: float | None = None) -> str:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 1024,4096,16384)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up (median reported)")
-    p.add_argument("--json", action="store_true", help="one JSON record per (T, path) on stdout; table on stderr")
+    p.add_argument("--json", action="store_true",
+                   help="JSON on stdout (per T and path; cpu kernel checks); table on stderr")
     p.add_argument("--memory-check", type=int, default=None, metavar="T",
                    help="run integer forward+backward at this length and report its peak extra memory")
     p.add_argument("--no-memory", action="store_true", help="skip the per-path memory subprocesses")
@@ -263,16 +262,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="also time integer-docs / interpolated-docs: N equal packed documents per row")
     p.add_argument("--mask-budget-gb", type=float, default=8.0,
                    help="skip the mask path when its estimated memory (~17 bytes x T^2) exceeds this")
-
-
-def _lengths(text: str, flag: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if any(T < 1 for T in lengths):
-        raise ConfigError(f"{flag} must be >= 1, got {lengths}")
-    return lengths
 
 
 def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> None:
@@ -297,11 +286,11 @@ def config_from_args(args) -> BenchConfig:
     if args.lengths is None:
         lengths = [] if args.memory_check else (list(CUDA_LENGTHS) if cuda else [1024, 4096, 16384])
     else:
-        lengths = _lengths(args.lengths, "--lengths")
+        lengths = parse_int_list(args.lengths, "--lengths", error=ConfigError, empty=True)
     if args.forward_lengths is None:
         forward = [131072] if cuda and not args.memory_check and args.lengths is None else []
     else:
-        forward = _lengths(args.forward_lengths, "--forward-lengths")
+        forward = parse_int_list(args.forward_lengths, "--forward-lengths", error=ConfigError, empty=True)
     paths = list(DEFAULT_PATHS["cuda" if cuda else "cpu"]) if args.paths is None else \
         [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]
@@ -364,8 +353,11 @@ def run(args) -> int:
                 print(json.dumps(asdict(r)), flush=True)
     if records:
         print(table(records, copy_rate), file=out, flush=True)
-        for line in document_lines(records, cfg.documents) + flop_lines(records, peak) + kernel_lines(cfg, peak):
+        checks = kernel_checks(cfg, peak)
+        for line in document_lines(records, cfg.documents) + flop_lines(records, peak) + kernel_lines(checks):
             print(line, file=out, flush=True)
+        for check in checks if args.json else []:
+            print(json.dumps(check), flush=True)
     why = backend_available("cpu", torch.device("cpu"))
     if why is not None:
         print(f"host overhead: not measured, {why}", file=out, flush=True)

@@ -136,24 +136,38 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
     return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9, ratio)
 
 
-def kernel_lines(cfg, peak: float | None) -> list[str]:
-    """Per forward+backward length on CPU: each fused op's public call against its kernels alone, and
-    both against the run's matmul peak and a ``torch.mm`` rate measured in the same rounds."""
+def kernel_checks(cfg, peak: float | None) -> list[dict]:
+    """Per forward+backward length on CPU and fused op: its public call and its kernels alone (and,
+    with its ``-rows`` path, the generic rows' kernels alone), against the run's matmul peak and a
+    ``torch.mm`` rate measured in the same rounds: one ``cpu_kernels`` record each."""
     ops = [p for p in ("integer", "interpolated") if p in cfg.paths]
     if cfg.on_cuda or not ops or cpu_backend.unavailable("cpu") is not None:
         return []
-    lines = []
+    checks = []
     for T in cfg.lengths:
-        parts = []
         for op in ops:
             kt = kernel_ms(cfg, op, T, cfg.repeats, rows=f"{op}-rows" in cfg.paths)
-            op_ms, ms, mm = kt.op_ms, kt.kernels_ms, kt.mm_gflop_s
-            op_rate, rate = gflop_rate(cfg, op, T, op_ms), gflop_rate(cfg, op, T, ms)
-            parts.append(f"{op} {op_ms:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), kernels alone "
-                         f"{ms:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
+            checks.append({"check": "cpu_kernels", "T": T, "op": op, "op_ms": kt.op_ms, "kernels_ms": kt.kernels_ms,
+                           "op_gflop_s": gflop_rate(cfg, op, T, kt.op_ms),
+                           "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
+                           "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "rounds": cfg.repeats,
+                           "threads": torch.get_num_threads()})
+    return checks
+
+
+def kernel_lines(checks: list[dict]) -> list[str]:
+    """:func:`kernel_checks`' records as one line per length."""
+    lines = []
+    for T in dict.fromkeys(c["T"] for c in checks):
+        parts = []
+        for c in (c for c in checks if c["T"] == T):
+            mm, peak, rate, ratio = c["mm_gflop_s"], c["peak_gflop_s"], c["kernels_gflop_s"], c["rows_ratio"]
+            op_rate = c["op_gflop_s"]
+            parts.append(f"{c['op']} {c['op_ms']:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), "
+                         f"kernels alone {c['kernels_ms']:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
                          + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s"
-                         + (f", generic rows kernels alone / kernels alone = {kt.rows_ratio:.2f}x (median of the "
-                            "rounds' ratios)" if kt.rows_ratio else ""))
+                         + (f", generic rows kernels alone / kernels alone = {ratio:.2f}x (median of the rounds' "
+                            "ratios)" if ratio else ""))
         lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
-                     f"once; fastest of {cfg.repeats}, interleaved): " + "; ".join(parts))
+                     f"once; fastest of {checks[0]['rounds']}, interleaved): " + "; ".join(parts))
     return lines
