@@ -160,7 +160,7 @@ def kernel_lines(checks: list[dict]) -> list[str]:
     lines = []
     for T in dict.fromkeys(c["T"] for c in checks):
         parts = []
-        for c in (c for c in checks if c["T"] == T):
+        for c in [x for x in checks if x["T"] == T]:
             mm, peak, rate, ratio = c["mm_gflop_s"], c["peak_gflop_s"], c["kernels_gflop_s"], c["rows_ratio"]
             op_rate = c["op_gflop_s"]
             parts.append(f"{c['op']} {c['op_ms']:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), "
