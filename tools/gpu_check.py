@@ -32,11 +32,11 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B=4, H=8, Hkv=2, Dh=64)
@@ -246,14 +246,10 @@ def cpu_flags() -> dict:
             **{f: f in flags for f in ("avx2", "fma", "avx512f", "amx_tile")}}
 
 
-def _round_ratio(a: dict, b: dict) -> float:
-    """Median over interleaved rounds of ``a``'s time over ``b``'s (as the bench's own line)."""
-    pairs = list(zip(a.get("rounds_ms") or [], b.get("rounds_ms") or []))
-    return statistics.median(x / y for x, y in pairs) if pairs else a["ms"] / b["ms"]
-
-
 def cpu(r: Runner, summary: dict) -> None:
     """Issue 29's goals measured on this machine's CPU, on 2 threads as they were set."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from fibattn.bench.attention_flops import round_ratio        # the bench's own rows / vector rows ratio
     lengths = "256" if r.quick else ",".join(map(str, CPU_LENGTHS))
     args = ["bench", "attention", "--device", "cpu", "--json", "--no-memory", "--repeats", "1" if r.quick else "5",
             "--paths", "integer,interpolated,integer-rows,interpolated-rows", "--lengths", lengths]
@@ -264,7 +260,8 @@ def cpu(r: Runner, summary: dict) -> None:
     ratios = summary.setdefault("ratios", {})
     for (T, path), x in rows.items():
         if path in ("integer", "interpolated") and (T, f"{path}-rows") in rows:
-            ratios[f"cpu {path}: generic rows / vector rows fwd+bwd at {T}"] = _round_ratio(rows[T, f"{path}-rows"], x)
+            ratios[f"cpu {path}: generic rows / vector rows fwd+bwd at {T}"] = round_ratio(
+                SimpleNamespace(**rows[T, f"{path}-rows"]), SimpleNamespace(**x))
         if path == "interpolated" and (T, "integer") in rows:
             ratios[f"cpu interpolated/integer fwd+bwd at {T}"] = x["ms"] / rows[T, "integer"]["ms"]
     for c in checks:
