@@ -26,7 +26,9 @@ def width(tmp_path_factory):
     patch.setenv("FIBATTN_CACHE", str(tmp_path_factory.mktemp("kernels")))
     # -O1: gcc lowers the wider vectors 3x slower at -O2 (30 s), and the lanes' logic is the same
     flags = tuple("-O1" if f == "-O2" else f for f in cpu_backend._CFLAGS)
-    patch.setattr(cpu_backend, "_CFLAGS", (*flags, f"-DFA_VBYTES={width}", "-Wno-psabi"))
+    # and the dots' order a machine of that width builds (cpu_kernels.c, FA_VREGS: AVX-512 has 32)
+    regs = f"-DFA_VREGS={32 if width == 64 else 16}"
+    patch.setattr(cpu_backend, "_CFLAGS", (*flags, f"-DFA_VBYTES={width}", regs, "-Wno-psabi"))
     patch.setattr(cpu_backend, "_state", None)
     assert cpu_backend.unavailable("cpu") is None
     yield width

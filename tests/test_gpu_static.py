@@ -11,17 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from tool_helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "gpu_static.py"
 
 
 @pytest.fixture(scope="module")
 def gs():
-    spec = importlib.util.spec_from_file_location("gpu_static", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_static"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("gpu_static")
 
 
 # cuobjdump -sass style: a forward branch, an outer loop holding a nested loop, a second loop,

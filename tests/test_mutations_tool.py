@@ -1,24 +1,16 @@
 """tools/mutations.py stays runnable: every entry still applies, and a stale one is reported, not crashed on."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from tool_helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("fibattn_mutations_tool", ROOT / "tools" / "mutations.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod          # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-M = _tool()
+M = load_tool("mutations", "fibattn_mutations_tool")
 
 
 @pytest.mark.parametrize("m", M.MUTATIONS, ids=lambda m: m.name)

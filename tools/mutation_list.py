@@ -154,6 +154,11 @@ MUTATIONS = [
     Mutation("c-avx512-max-half-lanes", "vector width", C,          # a 16-lane row max over 8 of its lanes
              "    a = FA_MAX(a, __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));"
              "\n", "", ("tests/test_cpu_vector_width.py",)),
+    Mutation("c-lane-dots-drop-last-vector", "vector width", C,     # the dots a lane at a time
+             "            for (int c = 0; c < NV; c++) s += xs[c] * rj[c];",
+             "            for (int c = 0; c < NV - 1; c++) s += xs[c] * rj[c];", ("tests/test_cpu_vector_width.py",)),
+    Mutation("c-avx512-dots-vector-by-vector", "vector width", C,   # the order whose row pointers spill
+             "#define FA_LANE_NV (FA_VREGS - 4 - FA_VL)", "#define FA_LANE_NV 0", ("tests/test_cpu_static.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),

@@ -26,7 +26,7 @@ from mutation_list import MUTATIONS, Mutation  # noqa: E402
 
 
 def _copy_tree(dest: Path) -> None:
-    for name in ("src", "tests"):
+    for name in ("src", "tests", "tools"):      # tools: the tests of the repo's tools run them from the copy
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 

@@ -64,6 +64,18 @@ typedef int64_t i64;
 #endif
 #endif
 #define FA_VL (FA_VBYTES / FA_RBYTES)
+/* The head sizes (in vectors, up to FA_LANE_NV) whose dots go a lane at a time (dotv): the lanes' sums
+ * and the query row's vectors fit the FA_VREGS vector registers with 4 to spare (AVX-512's 32: fp32
+ * rows of up to 12 vectors beside 16 sums; AVX2's 16: 4 beside 8). A build may set FA_VREGS (the
+ * other-width test builds AVX-512's order with 32). */
+#ifndef FA_VREGS
+#if defined(__AVX512F__)
+#define FA_VREGS 32
+#else
+#define FA_VREGS 16
+#endif
+#endif
+#define FA_LANE_NV (FA_VREGS - 4 - FA_VL)
 
 static inline i64 fa_max0(i64 x) { return x < 0 ? 0 : x; }
 static inline i64 fa_min(i64 a, i64 b) { return a < b ? a : b; }
@@ -368,6 +380,23 @@ FA_INLINE SFX(vec) SFX(dotv)(const REAL *restrict x, const REAL *restrict bi, co
     SFX(vec) a[FA_VL];
     __asm__("" : "+r"(x));       /* opaque: x's vectors are loaded here, not hoisted out of the caller's
                                   * loop over groups into registers that the accumulators then lack */
+    if (NV <= FA_LANE_NV) {
+        /* a lane at a time, x's vectors held: one row pointer live instead of FA_VL (with 16 lanes,
+         * the whole of x86-64's general registers: they spill, tools/cpu_static.py), fewer address
+         * computations, the same sums in the same order */
+        SFX(vec) xs[FA_LANE_NV > 0 ? FA_LANE_NV : 1];
+#pragma GCC unroll 32
+        for (int c = 0; c < NV; c++) xs[c] = VLD(x + c * FA_VL);
+#pragma GCC unroll 16
+        for (int j = 0; j < FA_VL; j++) {
+            const SFX(uvec) *rj = (const SFX(uvec) *)(bi + noff[j]);
+            SFX(vec) s = (SFX(vec)){0};
+#pragma GCC unroll 32
+            for (int c = 0; c < NV; c++) s += xs[c] * rj[c];
+            a[j] = s;
+        }
+        return SFX(tree)(a);
+    }
 #pragma GCC unroll 16
     for (int j = 0; j < FA_VL; j++) r[j] = (const SFX(uvec) *)(bi + noff[j]), a[j] = (SFX(vec)){0};
 #pragma GCC unroll 16
