@@ -3,6 +3,8 @@
 summary's goals), so that the script a lent device runs has not gone stale by the time one is lent."""
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,8 @@ def test_quick_check_runs_on_cpu(tmp_path):
     assert {x["path"] for x in cpu["records"]} == {"integer", "interpolated", "integer-rows", "interpolated-rows"}
     assert [(c["T"], c["op"]) for c in cpu["kernel_checks"]] == [(256, "integer"), (256, "interpolated")]
     assert "avx512f" in cpu and cpu["cores"] >= 1
+    if platform.machine() == "x86_64" and shutil.which("objdump"):          # the compiled code's figures beside them
+        assert cpu["static"]["forward"]["all"]["fmas"] > 0
     for key in ("cpu integer: generic rows / vector rows fwd+bwd", "cpu interpolated/integer fwd+bwd",
                 "cpu integer share of the matmul peak", "cpu integer kernels alone: generic rows / vector rows"):
         assert ratios[f"{key} at 256"] > 0, key

@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -257,6 +259,11 @@ def cpu(r: Runner, summary: dict) -> None:
     rows = {(x["T"], x["path"]): x for x in recs if "path" in x and x.get("ms")}
     checks = [x for x in recs if x.get("check") == "cpu_kernels"]
     summary["cpu"] = {**cpu_flags(), "records": [x for x in recs if "path" in x], "kernel_checks": checks}
+    # the compiled code's figures for this same CPU (tools/cpu_static.py), beside its measured times
+    path = r.out / "cpu_static.json"
+    if platform.machine() == "x86_64" and shutil.which("objdump") and r.run("cpu_static", [sys.executable, str(ROOT / "tools" / "cpu_static.py"), "--targets", "native",
+                            "--json", str(path)], 120, {}) is not None and path.exists():
+        summary["cpu"]["static"] = json.loads(path.read_text())["targets"]["native"]
     ratios = summary.setdefault("ratios", {})
     for (T, path), x in rows.items():
         if path in ("integer", "interpolated") and (T, f"{path}-rows") in rows:
