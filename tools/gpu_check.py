@@ -261,8 +261,8 @@ def cpu(r: Runner, summary: dict) -> None:
     summary["cpu"] = {**cpu_flags(), "records": [x for x in recs if "path" in x], "kernel_checks": checks}
     # the compiled code's figures for this same CPU (tools/cpu_static.py), beside its measured times
     path = r.out / "cpu_static.json"
-    if platform.machine() == "x86_64" and shutil.which("objdump") and r.run("cpu_static", [sys.executable, str(ROOT / "tools" / "cpu_static.py"), "--targets", "native",
-                            "--json", str(path)], 120, {}) is not None and path.exists():
+    tool = [sys.executable, str(ROOT / "tools" / "cpu_static.py"), "--targets", "native", "--json", str(path)]
+    if platform.machine() == "x86_64" and shutil.which("objdump") and r.run("cpu_static", tool, 120) is not None:
         summary["cpu"]["static"] = json.loads(path.read_text())["targets"]["native"]
     ratios = summary.setdefault("ratios", {})
     for (T, path), x in rows.items():

@@ -4,7 +4,7 @@
 
 Each mutation (listed in ``tools/mutation_list.py``) replaces one exact piece of source (it must
 occur exactly once, or the mutation is reported *stale*: move it with the code) in a fresh copy of
-``src/``, ``tests/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation is *caught* when
+``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation is *caught* when
 those tests fail. The run prints each verdict, then ``caught N/M`` and the survivors (stale
 entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not
 in CI; ``tests/test_mutations_tool.py`` (default suite) checks that every entry still applies.
