@@ -44,3 +44,14 @@ def test_stale_entry_is_reported_by_name_and_fails_the_run(monkeypatch, capsys, 
     out = capsys.readouterr().out
     assert "stale" in out and "fake-entry" in out and why in out
     assert "caught 0/1" in out and "not caught: fake-entry" in out
+
+
+@pytest.mark.parametrize("rc, tail, verdict", [
+    (1, "1 failed, 3 passed in 25.74s", "caught"),
+    (1, "1 failed, 2 errors in 3.0s", "caught"),
+    (1, "1 error in 1.57s", "ERRORED"),                     # e.g. a fixture that cannot find what it tests
+    (0, "4 passed in 2.0s", "SURVIVED"),
+    (2, "Interrupted: 1 error during collection", "SURVIVED"),
+])
+def test_only_a_failing_test_catches_a_mutation(rc, tail, verdict):
+    assert M.verdict_of(rc, tail)[0] == verdict

@@ -4,8 +4,8 @@
 
 Each mutation (listed in ``tools/mutation_list.py``) replaces one exact piece of source (it must
 occur exactly once, or the mutation is reported *stale*: move it with the code) in a fresh copy of
-``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation is *caught* when
-those tests fail. The run prints each verdict, then ``caught N/M`` and the survivors (stale
+``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation is
+*caught* when one of those tests fails (tests that only error are *ERRORED*: not caught). The run prints each verdict, then ``caught N/M`` and the survivors (stale
 entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not
 in CI; ``tests/test_mutations_tool.py`` (default suite) checks that every entry still applies.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,8 +61,21 @@ def apply(m: Mutation, tree: Path) -> str | None:
     return None
 
 
+def verdict_of(returncode: int, tail: str) -> tuple[str, str]:
+    """``(verdict, detail)`` from pytest's exit code and last line: caught only when a test failed. Tests
+    that only errored (collection, a fixture) prove nothing about the mutation: the copy may lack
+    something they need (it once lacked ``tools/``), so they are ERRORED, which counts as not caught."""
+    if returncode == 0:
+        return "SURVIVED", tail
+    if returncode == 1 and re.search(r"\b\d+ failed\b", tail):
+        return "caught", tail
+    if returncode == 1:
+        return "ERRORED", f"no test failed, some errored: {tail}"
+    return "SURVIVED", f"pytest exit {returncode} (not a test failure): {tail}"
+
+
 def check(m: Mutation, cache: Path, keep: bool) -> tuple[str, float, str]:
-    """``(verdict, seconds, detail)`` with verdict caught | SURVIVED | stale."""
+    """``(verdict, seconds, detail)`` with verdict caught | SURVIVED | ERRORED | stale."""
     why = stale_reason(m)
     if why:
         return "stale", 0.0, why
@@ -76,12 +90,8 @@ def check(m: Mutation, cache: Path, keep: bool) -> tuple[str, float, str]:
         res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
                              cwd=tree, env=env, capture_output=True, text=True)
         secs = time.monotonic() - t0
-        tail = (res.stdout.strip().splitlines() or [""])[-1]
-        if res.returncode == 0:
-            return "SURVIVED", secs, tail
-        if res.returncode in (1,):
-            return "caught", secs, tail
-        return "SURVIVED", secs, f"pytest exit {res.returncode} (not a test failure): {tail}"
+        verdict, detail = verdict_of(res.returncode, (res.stdout.strip().splitlines() or [""])[-1])
+        return verdict, secs, detail
     finally:
         if not keep:
             shutil.rmtree(tree, ignore_errors=True)
