@@ -55,12 +55,14 @@ def test_goals_read_the_avx512_targets_only():
         ("skylake-avx512 forward", True), ("skylake-avx512 backward pass 1", False)]
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not (shutil.which("gcc") and shutil.which("objdump")),
-                    reason="needs gcc and objdump for x86-64")
+TOOLCHAIN = platform.machine() in ("x86_64", "AMD64") and shutil.which("gcc") and shutil.which("objdump")
+
+
+@pytest.mark.skipif(not TOOLCHAIN, reason="needs gcc and objdump for x86-64")
 def test_todays_avx512_dots_do_not_spill(tmp_path):
     out = tmp_path / "static.json"
-    run = subprocess.run([sys.executable, str(TOOLS / "cpu_static.py"), "--targets", "skylake-avx512", "--goals", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, str(TOOLS / "cpu_static.py"), "--targets", "skylake-avx512", "--goals", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     kernels = data["targets"]["skylake-avx512"]

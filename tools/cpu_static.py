@@ -148,7 +148,8 @@ def main(argv=None) -> int:
             a, h = s["all"], s["small_heads"]
             print(f"{target:16s} {name:16s} FMA runs {a['runs']:3d}  FMAs {a['fmas']:5d}  "
                   f"instr/FMA {a['instructions_per_fma']}  stack/FMA {a['stack_per_fma']}  "
-                  f"(heads <= {MAX_VECTORS} vectors: instr/FMA {h['instructions_per_fma']}, stack/FMA {h['stack_per_fma']})")
+                  f"(heads <= {MAX_VECTORS} vectors: instr/FMA {h['instructions_per_fma']}, "
+                  f"stack/FMA {h['stack_per_fma']})")
     checks = goals(results) if args.goals else []
     for what, ok, value in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {value}")

@@ -4,10 +4,11 @@
 
 Each mutation (listed in ``tools/mutation_list.py``) replaces one exact piece of source (it must
 occur exactly once, or the mutation is reported *stale*: move it with the code) in a fresh copy of
-``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation is
-*caught* when one of those tests fails (tests that only error are *ERRORED*: not caught). The run prints each verdict, then ``caught N/M`` and the survivors (stale
-entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not
-in CI; ``tests/test_mutations_tool.py`` (default suite) checks that every entry still applies.
+``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation
+is *caught* when one of those tests fails (tests that only error are *ERRORED*: not caught). The run
+prints each verdict, then ``caught N/M`` and the survivors (stale entries among them), and exits 1
+unless every mutation is caught. Run on demand (minutes), not in CI; ``tests/test_mutations_tool.py``
+(default suite) checks that every entry still applies.
 """
 from __future__ import annotations
 
