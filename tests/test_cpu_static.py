@@ -38,11 +38,7 @@ def test_runs_split_at_branches_and_their_targets():
     assert list(funcs) == ["toy_f32", "other"] and len(funcs["toy_f32"]) == 10
     runs = cs.runs(funcs["toy_f32"])
     assert [len(r) for r in runs] == [5, 3, 2]                  # 0x0-0x17 | 0x1d (the target)-0x29 | 0x2b-0x31
-    cs.MIN_FMAS = 2
-    try:
-        s = cs.summarize(funcs["toy_f32"], max_fmas=2)
-    finally:
-        cs.MIN_FMAS = 8
+    s = cs.summarize(funcs["toy_f32"], max_fmas=2, min_fmas=2)
     assert s["all"] == {"runs": 2, "fmas": 5, "instructions_per_fma": 1.6, "stack_per_fma": 0.2}
     assert s["small_heads"] == {"runs": 1, "fmas": 2, "instructions_per_fma": 1.5, "stack_per_fma": 0.0}
 

@@ -86,9 +86,9 @@ def _fmas(run: list[str]) -> int:
     return sum(ins.startswith("vfmadd") for ins in run)
 
 
-def summarize(code: list[tuple[int, str]], max_fmas: int) -> dict:
-    """FMA-dense runs of one function: all of them, and those of at most ``max_fmas`` FMAs."""
-    dense = [r for r in runs(code) if _fmas(r) >= MIN_FMAS]
+def summarize(code: list[tuple[int, str]], max_fmas: int, min_fmas: int = MIN_FMAS) -> dict:
+    """FMA-dense runs (at least ``min_fmas``) of one function: all of them, and those of at most ``max_fmas``."""
+    dense = [r for r in runs(code) if _fmas(r) >= min_fmas]
     out = {}
     for key, sel in (("all", dense), ("small_heads", [r for r in dense if _fmas(r) <= max_fmas])):
         fmas = sum(map(_fmas, sel))

@@ -236,14 +236,15 @@ def sweep(r: Runner, summary: dict) -> None:
 
 
 def cpu_flags() -> dict:
-    """The host CPU's model and the vector extensions the cpu kernels can use (Linux; {} elsewhere)."""
+    """The host CPU's model and the vector extensions the cpu kernels can use (the flags as the cpu
+    backend reads them for its build; Linux, else no model and no flags)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from fibattn.ops.cpu_backend import _cpu_flags
+    flags = set(_cpu_flags().partition(":")[2].split())
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     except OSError:
-        return {}
-    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    found = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-    flags = set(found.group(1).split()) if found else set()
+        model = None
     return {"model": model.group(1).strip() if model else None, "cores": os.cpu_count(),
             **{f: f in flags for f in ("avx2", "fma", "avx512f", "amx_tile")}}
 
