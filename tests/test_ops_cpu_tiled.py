@@ -72,7 +72,7 @@ def test_both_backward_schedules_give_the_same_bits(kind):
     off = offsets_unchecked(torch.cat([doc_ids(1, 333, (70, 1, 190)), doc_ids(1, 333, (333,))]))
     cpu_kernels(q, k, v, dout, cols, kind, 1, off)                   # sizes the dS scratch; then poison it
     runs = {}
-    for threads in (2, 5, 1):                                     # 4 head groups: streamed, two passes, streamed
+    for threads in (2, 5, 1):                                     # 4 head groups: 2 a thread, split, 1 thread
         for buf in cpu_backend._scratch.bufs.values():            # a dS read before it is written shows
             buf.fill_(float("nan"))
         runs[threads] = cpu_kernels(q, k, v, dout, cols, kind, threads, off)

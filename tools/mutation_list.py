@@ -92,7 +92,7 @@ MUTATIONS = [
              "region = self.free.pop(found) if found is not None else None",
              "region = self.free[found] if found is not None else None", ("tests/test_host_pages.py",)),
     Mutation("pool-reuses-live-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
-             "weakref.finalize(view, _pool.give, region).atexit = False", "_pool.give(region)",
+             "ref = weakref.ref(view, region.returned)", "ref = weakref.ref(view, region.returned); _pool.give(region)",
              ("tests/test_host_pages.py",)),
     Mutation("pool-maps-shared-memory", "memory reuse", "src/fibattn/ops/host_pages.py",
              "flags=_PRIVATE)", "flags=mmap.MAP_SHARED)", ("tests/test_host_pages.py",)),
@@ -159,6 +159,9 @@ MUTATIONS = [
              "            for (int c = 0; c < NV - 1; c++) s += xs[c] * rj[c];", ("tests/test_cpu_vector_width.py",)),
     Mutation("c-avx512-dots-vector-by-vector", "vector width", C,   # the order whose row pointers spill
              "#define FA_LANE_NV (FA_VREGS - 4 - FA_VL)", "#define FA_LANE_NV 0", ("tests/test_cpu_static.py",)),
+    Mutation("c-key-pass-never-waits", "work split", C,       # pass 2 before the pass 1 of its readers
+             "        if (!__atomic_load_n(done + w, __ATOMIC_ACQUIRE)) return 0;",
+             "        if (!__atomic_load_n(done + w, __ATOMIC_ACQUIRE)) return 1;", ("tests/test_cpu_balance.py",)),
     Mutation("c-columns-never-restart", "kernel bounds", C,
              "    if (nv && lo[nv - 1] > lim) nv = 0;\n", "    if (0 && nv && lo[nv - 1] > lim) nv = 0;\n",
              ("tests/test_ops_documents_cpu.py",)),

@@ -64,6 +64,10 @@ class Columns:
     def __post_init__(self):
         if any(a > b for a, b in zip(self.lo, self.lo[1:])):
             raise UsageError(f"Columns.lo must be sorted ascending, got {self.lo}")
+        object.__setattr__(self, "_hash", hash((self.lo, self.wlo, self.whi, self.two, self.b, self.interpolated)))
+
+    def __hash__(self) -> int:      # once: every kernel call looks its arguments up by its columns
+        return self._hash
 
 
 def _exact(dists) -> Columns:

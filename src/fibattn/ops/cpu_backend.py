@@ -191,7 +191,7 @@ def _prep(*xs: torch.Tensor) -> list[torch.Tensor]:
     reads of rows far back miss the TLB less."""
     dtype = xs[0].dtype
     for x in xs:
-        if x.device.type != "cpu":
+        if not x.is_cpu:
             raise UsageError(f"cpu backend needs CPU tensors, got a tensor on {x.device}")
         if x.dtype != dtype:
             raise UsageError(f"cpu backend needs one dtype, got {dtype} and {x.dtype}")
@@ -240,14 +240,18 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
 
 
 # ------------------------------------------------------------------------- fused op
-@functools.lru_cache(maxsize=64)      # the kernels only read these arrays; building them costs µs per call
-def _columns(cols, dtype):
+@functools.lru_cache(maxsize=64)
+def _fixed(cols, dtype, shape, Hk: int, scale: float) -> tuple:
+    """The arguments of a fused kernel call that its columns, q's ``shape``, ``Hk`` and the scale fix:
+    ``B, H, Hk, T, D, C``, the column arrays and the scale, built once (the kernels only read them; a
+    public call is host-bound below ~1K tokens, and building them cost 8 µs of its ~25 µs)."""
     if not cols.lo or cols.lo[0] != 0:
         raise UsageError(f"fused columns must start with distance 0 (every row attends to itself), got {cols.lo}")
     real = _REAL[dtype]
     n = max(len(cols.lo), 1)
-    return (_ints(cols.lo), (real * n)(*cols.wlo), (real * n)(*cols.whi),
-            (ctypes.c_int * n)(*[int(t) for t in cols.two]))
+    B, H, T, D = shape
+    return (*(_i64(x) for x in (B, H, Hk, T, D, len(cols.lo))), _ints(cols.lo), (real * n)(*cols.wlo),
+            (real * n)(*cols.whi), (ctypes.c_int * n)(*[int(t) for t in cols.two]), real(scale))
 
 
 def _positions(off, q: torch.Tensor):
@@ -304,12 +308,17 @@ def aux_shape(q: torch.Tensor, count: int, interpolated: bool) -> tuple[int, ...
 
 def _split(aux: torch.Tensor, q: torch.Tensor, C: int) -> tuple:
     """``(P, G or None, head stride)`` pointers of a contiguous saved state for the kernels."""
-    T = q.shape[2]
-    if aux.dim() != 4 or tuple(aux.shape) not in (aux_shape(q, C, False), aux_shape(q, C, True)):
+    B, H, T, _ = q.shape
+    shape = aux.shape
+    if shape != (B, H, T, C) and shape != (B, H, 2 * T, C):
         raise UsageError(f"the saved state must have shape {aux_shape(q, C, False)} or {aux_shape(q, C, True)}, "
-                         f"got {tuple(aux.shape)}")
-    G = _ptr(aux[:, :, T:].data_ptr()) if aux.shape[2] == 2 * T else None
-    return _ptr(aux.data_ptr()), G, _i64(aux.shape[2] * aux.shape[3])
+                         f"got {tuple(shape)}")
+    p = aux.data_ptr()
+    G = _ptr(p + T * C * aux.element_size()) if shape[2] != T else None     # each head's rows T.. (contiguous)
+    return _ptr(p), G, _i64(shape[2] * C)
+
+
+_NO_STATE = (None, None, _i64(0))
 
 
 def attn_forward(q, k, v, cols, scale: float, off=None, into=None, save: bool = True):
@@ -324,9 +333,9 @@ def attn_forward(q, k, v, cols, scale: float, off=None, into=None, save: bool = 
     C = len(cols.lo)
     out, aux = into or (huge_empty(q, *q.shape), huge_empty(q, *aux_shape(q, C, cols.interpolated)) if save else None)
     if out.numel():
-        state = _split(aux, q, C) if aux is not None else (None, None, _i64(0))
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out)), *state, *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(), _stream_out(out),
+        state = _split(aux, q, C) if aux is not None else _NO_STATE
+        failed = fn(_ptr(q.data_ptr()), _ptr(k.data_ptr()), _ptr(v.data_ptr()), _ptr(out.data_ptr()), *state,
+                    *_fixed(cols, q.dtype, q.shape, k.shape[1], scale), _pointer(off), _fast(), _stream_out(out),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_fwd could not allocate its scratch buffers")
@@ -345,10 +354,9 @@ def attn_backward(q, k, v, out, aux, dout, cols, scale: float, need_dfrac: bool 
     dS = _scratch_like(q, B, H, T, C)
     dfrac = torch.zeros(max(C, 1), dtype=torch.float64) if need_dfrac else None
     if aux.numel():
-        failed = fn(*(_ptr(x.data_ptr()) for x in (q, k, v, out, dout)), *_split(aux, q, C),
-                    *(_ptr(x.data_ptr()) for x in (dS, dq, dk, dv)),
-                    _pointer(dfrac), *_dims(q, k), _i64(C),
-                    *_columns(cols, q.dtype), _REAL[q.dtype](scale), _pointer(off), _fast(), _stream_out(dq),
+        failed = fn(*[_ptr(x.data_ptr()) for x in (q, k, v, out, dout)], *_split(aux, q, C),
+                    *[_ptr(x.data_ptr()) for x in (dS, dq, dk, dv)], _pointer(dfrac),
+                    *_fixed(cols, q.dtype, q.shape, k.shape[1], scale), _pointer(off), _fast(), _stream_out(dq),
                     ctypes.c_int(torch.get_num_threads()))
         if failed:
             raise MemoryError("fa_attn_bwd could not allocate its scratch buffers")

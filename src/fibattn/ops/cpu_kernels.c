@@ -22,8 +22,8 @@
  *
  * Nothing is scattered: every output row is written by exactly one thread (the gradient
  * of k and v is computed in gather form, y[m] = sum over rows m + d that read row m). The
- * backward's key-row pass of a block follows its query-row pass of the blocks that read it
- * (fa_attn_bwd), on the same thread where the head groups divide among the threads.
+ * backward's key-row pass of a block follows the query-row pass of the blocks that read it
+ * (fa_attn_bwd); threads split the blocks as in fa_ranges.
  *
  * Vector rows (issue 29; head size 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors, fast != 0, see lanes_t):
  * a row's column values live in SIMD lanes, so the scores, the softmax, dS and the coefficients are
@@ -41,6 +41,7 @@
 #define FA_BODY
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -111,6 +112,64 @@ static inline void fa_row_offsets(i64 *restrict out, const i64 *restrict off, i6
 #if !defined(FA_PART) || FA_PART == 1
 int fa_abi_version(void) { return 14; }
 #endif
+
+/* ---------------------------------------------------------------- balanced work
+ * The fused kernels' parallel loops run over units u = bh * nb + blk (one block of one key/value head),
+ * split into nt contiguous ranges, one a thread, as a static schedule splits them: each thread streams
+ * its heads, whose rows stay in its own caches. A thread takes its range from the front; once that is
+ * empty, it takes units from the back of the other ranges (a steal). So a thread that the machine slows
+ * (another process on its core, a shared host's neighbours) holds the others up by about one unit, not
+ * by the difference in speed: on a 2-core guest at 4K, the busy times of the two threads of a static
+ * schedule differed by 5-20 % from call to call. A range is (next, end) in one word, changed by CAS. */
+typedef struct { uint64_t r; char pad[56]; } fa_range_t;
+
+/* nt ranges over n units; NULL when out of memory or n does not fit a range's 32-bit halves. */
+static fa_range_t *fa_ranges(i64 n, int nt) {
+    fa_range_t *rs = n < ((i64)1 << 32) ? aligned_alloc(64, sizeof(fa_range_t) * (size_t)nt) : NULL;
+    for (int t = 0; rs && t < nt; t++) rs[t].r = (uint64_t)(n * t / nt) << 32 | (uint64_t)(n * (t + 1) / nt);
+    return rs;
+}
+
+/* The next unit of range r from its front (back: from its end), or -1 when it is empty. */
+static inline i64 fa_take(fa_range_t *r, int back) {
+    uint64_t cur = __atomic_load_n(&r->r, __ATOMIC_RELAXED);
+    for (;;) {
+        const i64 next = (i64)(cur >> 32), end = (i64)(cur & 0xffffffffu);
+        if (next >= end) return -1;
+        const uint64_t want = back ? (cur & ~(uint64_t)0xffffffffu) | (uint64_t)(end - 1) : cur + ((uint64_t)1 << 32);
+        if (__atomic_compare_exchange_n(&r->r, &cur, want, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return back ? end - 1 : next;
+    }
+}
+
+#ifdef FA_SLOW_THREAD   /* tests only (test_cpu_balance.py): this thread sleeps before each unit, the others steal */
+#include <unistd.h>
+__attribute__((weak)) long fa_steals;
+#endif
+
+/* Thread self's next unit: from its own range, else from the back of another's; -1 when none is left. */
+static inline i64 fa_next(fa_range_t *rs, int nt, int self) {
+#ifdef FA_SLOW_THREAD
+    if (self == FA_SLOW_THREAD) usleep(300);
+#endif
+    i64 u = fa_take(rs + self, 0);
+    for (int j = 1; u < 0 && j < nt; j++) {
+        u = fa_take(rs + (self + j) % nt, 1);
+#ifdef FA_SLOW_THREAD
+        if (u >= 0) __atomic_add_fetch(&fa_steals, 1, __ATOMIC_RELAXED);
+#endif
+    }
+    return u;
+}
+
+/* Wait a little: spin, then (more threads than cores, the awaited thread not running) give the core up. */
+static inline void fa_pause(int spins) {
+    if (spins > 256) sched_yield();
+#if defined(__x86_64__) || defined(__i386__)
+    else __builtin_ia32_pause();
+#endif
+}
+
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
  * dpos is 0); NULL when out of memory. */
@@ -940,9 +999,9 @@ int SFX(fa_vector_nv)(i64 D) { return SFX(fixed_nv)(D, 1); }
  * (see fwd_vmids; for the backward's alpha gradient), (T, C) per head at head stride PH each: (B,H,T,C)
  * with PH = T * C, or P and G interleaved by head, (B,H,2T,C) with G = P + T * C and PH = 2 * T * C.
  * P and G NULL: no saved state, for a forward that no backward follows (0.92-0.97x its time). */
-/* The fused kernels split (head, block) statically: each thread streams whole heads (contiguous
- * chunks), which keeps a head's rows in its own caches (measured 10-15 % faster at 16K than
- * dynamic chunks of blocks). */
+/* The fused kernels split (head, block) units into one contiguous range a thread, whose heads it
+ * streams (their rows stay in its caches: 10-15 % faster at 16K than dynamic chunks of blocks), and
+ * a thread that ends its range early takes units from the back of the others' (see fa_ranges). */
 int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REAL *P, REAL *G, i64 PH, i64 B, i64 H,
                      i64 Hk, i64 T, i64 D, i64 C, const i64 *lo, const REAL *wlo, const REAL *whi, const int *two,
                      REAL scale, const int32_t *dpos, int fast, int stream_out, int nt) {
@@ -952,33 +1011,32 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
     SFX(lanes_t) L;
     SFX(lanes_init)(&L, &tp, C, T, D, lo, wlo, whi, two);
     const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0, st = stream_out && nvx && fa_aligned(out);
+    fa_range_t *rs = fa_ranges(B * Hk * nb, nt);
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
         SFX(ws_t) ws = {0};
-        const int bad = SFX(ws_init)(&ws, C);
-#pragma omp for collapse(2) schedule(static)
-        for (i64 bh = 0; bh < B * Hk; bh++)
-            for (i64 blk = 0; blk < nb; blk++) {
-                if (bad) continue;
-                const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
-                const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
-                const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
-                for (i64 gh = 0; gh < g; gh++) {
-                    const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
-                    const REAL *qh = q + h * T * D;
-                    REAL *oh = out + h * T * D, *ph = P ? P + h * PH : NULL, *gh = G ? G + h * PH : NULL;
-                    i64 nv = 0;
-                    FA_WITH_NV(nvx, if (NV) {
-                        SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, st, NV);
-                    } else for (i64 i = i0; i < i1; i++) {
-                        const i64 lim = pb ? pb[i] : i;
-                        nv = SFX(nvalid)(nv, lim, C, lo);
-                        SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph ? ph + i * C : NULL, gh ? gh + i * C : NULL,
-                                     &tp, &ws, i, lim, nv, D, C, scale);
-                    })
-                }
+        const int bad = !rs || SFX(ws_init)(&ws, C), self = omp_get_thread_num();
+        for (i64 u = bad ? -1 : fa_next(rs, nt, self); u >= 0; u = fa_next(rs, nt, self)) {
+            const i64 bh = u / nb, blk = u % nb;
+            const REAL *kb = k + bh * T * D, *vb = v + bh * T * D;
+            const int32_t *pb = dpos ? dpos + (bh / Hk) * T : NULL;
+            const i64 i0 = blk * FA_BLOCK, i1 = fa_min(T, i0 + FA_BLOCK);
+            for (i64 gh = 0; gh < g; gh++) {
+                const i64 h = (bh / Hk) * H + (bh % Hk) * g + gh;
+                const REAL *qh = q + h * T * D;
+                REAL *oh = out + h * T * D, *ph = P ? P + h * PH : NULL, *gh = G ? G + h * PH : NULL;
+                i64 nv = 0;
+                FA_WITH_NV(nvx, if (NV) {
+                    SFX(fwd_vblock)(qh, kb, vb, oh, ph, gh, pb, &L, ws.blk, i0, i1, C, lo, scale, st, NV);
+                } else for (i64 i = i0; i < i1; i++) {
+                    const i64 lim = pb ? pb[i] : i;
+                    nv = SFX(nvalid)(nv, lim, C, lo);
+                    SFX(fwd_row)(qh + i * D, kb, vb, oh + i * D, ph ? ph + i * C : NULL, gh ? gh + i * C : NULL,
+                                 &tp, &ws, i, lim, nv, D, C, scale);
+                })
             }
+        }
         fa_fence();
         if (bad) {
 #pragma omp atomic write
@@ -986,6 +1044,7 @@ int SFX(fa_attn_fwd)(const REAL *q, const REAL *k, const REAL *v, REAL *out, REA
         } else SFX(ws_free)(&ws);
     }
     SFX(taps_free)(&tp);
+    free(rs);
     return failed;
 }
 
@@ -1205,6 +1264,14 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         for (i64 e = i0 * D; e < i1 * D; e++) dkb[e] *= a->scale;
 }
 
+/* Whether pass 1 is done for unit u = bh * nb + blk and the blocks of its head up to lag further on. */
+static inline int SFX(readers_done)(const unsigned char *done, i64 u, i64 nb, i64 lag) {
+    const i64 last = u + fa_min(lag, nb - 1 - u % nb);
+    for (i64 w = last; w >= u; w--)
+        if (!__atomic_load_n(done + w, __ATOMIC_ACQUIRE)) return 0;
+    return 1;
+}
+
 /* Gradients of fa_attn_fwd (P, G and PH as there; out is read by the generic rows only). dS (B,H,T,C)
  * is scratch (the vector rows keep it times scale); when dfrac (C doubles) is non-NULL, d loss / d f
  * of each two-tap column is added to it, along (wlo, whi) = (1 - f, f). Pass 2 of a block needs pass 1
@@ -1238,42 +1305,46 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
     const SFX(bwd_t) a = {q, k, v, out, dout, P, G, whi, dS, dq, dk, dv, parts, dpos, ends, lo, cix, two, &tp, &L,
                           PH, H, Hk, T, D, C, nb, scale, nvx,
                           stream_out && nvx && fa_aligned(dq) && fa_aligned(dk) && fa_aligned(dv)};
-    const i64 units = B * Hk, lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;
-    const int streamed = units >= nt && (units % nt == 0 || units >= 4 * nt);   /* balanced enough */
+    /* pass 2 of a block reads the dS of the blocks up to lag further on, written by their pass 1 */
+    const i64 U = B * Hk * nb, lag = (FA_BLOCK - 1 + maxoff) / FA_BLOCK;
+    fa_range_t *rs = fa_ranges(U, nt);
+    unsigned char *done = calloc(U + 1, 1);              /* pass 1 of unit u is done (release / acquire) */
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
         SFX(ws_t) ws = {0};
-        const int bad = SFX(ws_init)(&ws, C);
-        if (streamed) {
-#pragma omp for schedule(static)
-            for (i64 bh = 0; bh < units; bh++)
-                for (i64 step = 0; step < nb + lag && !bad; step++) {
-                    if (step < nb) SFX(bwd_pass1)(&a, &ws, bh, step);
-                    if (step >= lag) SFX(bwd_pass2)(&a, &ws, bh, step - lag);
-                }
-        } else {
-#pragma omp for collapse(2) schedule(static)
-            for (i64 bh = 0; bh < units; bh++)
-                for (i64 blk = 0; blk < nb; blk++)
-                    if (!bad) SFX(bwd_pass1)(&a, &ws, bh, blk);
-            /* (the implicit barrier: every dS is written) */
-#pragma omp for collapse(2) schedule(static)
-            for (i64 bh = 0; bh < units; bh++)
-                for (i64 blk = 0; blk < nb; blk++)
-                    if (!bad) SFX(bwd_pass2)(&a, &ws, bh, blk);
+        const int self = omp_get_thread_num();
+        i64 *pend = rs && done ? malloc(sizeof(i64) * (U + 1)) : NULL, np = 0;   /* pass 1 done, pass 2 not */
+        const int bad = !pend || SFX(ws_init)(&ws, C);
+        /* A unit's pass 1 right away; its pass 2 once pass 1 is done for the blocks that read it: for a
+         * thread's own units lag units later (a head streamed step by step), for a stolen one (taken from
+         * the back) at once. Only the last loop waits, on units that other threads have taken. */
+        for (i64 u = bad ? -1 : fa_next(rs, nt, self); u >= 0; u = fa_next(rs, nt, self)) {
+            SFX(bwd_pass1)(&a, &ws, u / nb, u % nb);
+            __atomic_store_n(done + u, 1, __ATOMIC_RELEASE);
+            pend[np++] = u;
+            i64 keep = 0;
+            for (i64 j = 0; j < np; j++)
+                if (SFX(readers_done)(done, pend[j], nb, lag)) SFX(bwd_pass2)(&a, &ws, pend[j] / nb, pend[j] % nb);
+                else pend[keep++] = pend[j];
+            np = keep;
+        }
+        for (i64 j = 0; j < np; j++) {
+            for (int spins = 0; !SFX(readers_done)(done, pend[j], nb, lag); spins++) fa_pause(spins);
+            SFX(bwd_pass2)(&a, &ws, pend[j] / nb, pend[j] % nb);
         }
         fa_fence();
         if (bad) {
 #pragma omp atomic write
             failed = 1;
         } else SFX(ws_free)(&ws);
+        free(pend);
     }
     if (parts && !failed)
         for (i64 j = 0; j < B * Hk * nb; j++)
             for (i64 c = 0; c < C; c++) dfrac[c] += parts[j * C + c];
     SFX(taps_free)(&tp);
-    free(ends), free(parts), free(cix);
+    free(ends), free(parts), free(cix), free(rs), free(done);
     return failed;
 }
 
