@@ -55,3 +55,45 @@ def test_stale_entry_is_reported_by_name_and_fails_the_run(monkeypatch, capsys, 
 ])
 def test_only_a_failing_test_catches_a_mutation(rc, tail, verdict):
     assert M.verdict_of(rc, tail)[0] == verdict
+
+
+@pytest.fixture
+def one_file_copy(monkeypatch):
+    """The first entry, copies that hold only its file and its tests' files, and ``pytest_in(fails)``
+    installing a fake pytest that fails when ``fails(mutated)`` (the copy holds the replacement)."""
+    m = M.MUTATIONS[0]
+    calls = []
+
+    def copy(dest):
+        for path in (m.file, *(a.split("::")[0] for a in m.tests if a.startswith("tests/"))):
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            (dest / path).write_text((ROOT / path).read_text())
+
+    def pytest_in(fails):
+        def run(tree, cache, tests):
+            mutated = m.new in (tree / m.file).read_text()
+            calls.append(mutated)
+            return (1, "1 failed in 0.1s", 0.0) if fails(mutated) else (0, "3 passed in 0.1s", 0.0)
+        monkeypatch.setattr(M, "_pytest", run)
+    monkeypatch.setattr(M, "_copy_tree", copy)
+    return m, calls, pytest_in
+
+
+def test_the_selection_runs_unmutated_first(one_file_copy, capsys):
+    m, calls, pytest_in = one_file_copy
+    pytest_in(lambda mutated: mutated)
+    assert M.main(["--only", m.name]) == 0
+    assert calls == [False, True]                 # the baseline, then the mutated copy
+    out = capsys.readouterr().out
+    assert "passes" in out and "caught 1/1" in out
+
+
+def test_a_selection_that_fails_unmutated_catches_nothing(one_file_copy, capsys):
+    m, calls, pytest_in = one_file_copy
+    pytest_in(lambda mutated: True)
+    assert M.main(["--only", m.name]) == 1
+    assert calls == [False]                       # the mutated copy is not run
+    out = capsys.readouterr().out
+    assert "BASELINE" in out and "fails without the mutation" in out and f"not caught: {m.name}" in out
+    calls.clear()
+    assert M.main(["--only", m.name, "--no-baseline"]) == 0 and calls == [True]

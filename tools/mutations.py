@@ -1,13 +1,15 @@
 """Mutation check: does the test suite catch the one-line bugs that matter?
 
-    python tools/mutations.py [--only NAME[,NAME...]] [--list] [--keep]
+    python tools/mutations.py [--only NAME[,NAME...]] [--list] [--keep] [--no-baseline]
 
 Each mutation (listed in ``tools/mutation_list.py``) replaces one exact piece of source (it must
 occur exactly once, or the mutation is reported *stale*: move it with the code) in a fresh copy of
 ``src/``, ``tests/``, ``tools/`` and ``pyproject.toml``, then runs the tests that should notice. A mutation
-is *caught* when one of those tests fails (tests that only error are *ERRORED*: not caught). The run
-prints each verdict, then ``caught N/M`` and the survivors (stale entries among them), and exits 1
-unless every mutation is caught. Run on demand (minutes), not in CI; ``tests/test_mutations_tool.py``
+is *caught* when one of those tests fails (tests that only error are *ERRORED*: not caught). First,
+each distinct test selection runs once on an unmutated copy: a selection that fails there would
+"catch" anything, so its mutations are *BASELINE* (not caught; ``--no-baseline`` skips this, about
+half the run's time). The run prints each verdict, then ``caught N/M`` and the survivors (stale
+entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not in CI; ``tests/test_mutations_tool.py``
 (default suite) checks that every entry still applies.
 """
 from __future__ import annotations
@@ -75,6 +77,34 @@ def verdict_of(returncode: int, tail: str) -> tuple[str, str]:
     return "SURVIVED", f"pytest exit {returncode} (not a test failure): {tail}"
 
 
+def _pytest(tree: Path, cache: Path, tests: tuple[str, ...]) -> tuple[int, str, float]:
+    """``(exit code, pytest's last line, seconds)`` of ``tests`` run in the copy ``tree``."""
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), FIBATTN_CACHE=str(cache), PYTHONDONTWRITEBYTECODE="1")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                         cwd=tree, env=env, capture_output=True, text=True)
+    return res.returncode, (res.stdout.strip().splitlines() or [""])[-1], time.monotonic() - t0
+
+
+def baseline(chosen: list[Mutation], cache: Path) -> dict[tuple[str, ...], str]:
+    """Why each distinct test selection of the applicable ``chosen`` fails on an unmutated copy
+    (``""`` when it passes), run once each."""
+    selections = list(dict.fromkeys(m.tests for m in chosen if stale_reason(m) is None))
+    if not selections:
+        return {}
+    tree = Path(tempfile.mkdtemp(prefix="fibattn-mut-baseline-"))
+    try:
+        _copy_tree(tree)
+        out = {}
+        for tests in selections:
+            rc, tail, secs = _pytest(tree, cache, tests)
+            out[tests] = "" if rc == 0 else f"fails without the mutation (pytest exit {rc}): {tail}"
+            print(f"{'baseline':<9} {' '.join(tests)[:50]:<51} {secs:6.1f}s  {out[tests] or 'passes'}", flush=True)
+        return out
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+
+
 def check(m: Mutation, cache: Path, keep: bool) -> tuple[str, float, str]:
     """``(verdict, seconds, detail)`` with verdict caught | SURVIVED | ERRORED | stale."""
     why = stale_reason(m)
@@ -86,12 +116,8 @@ def check(m: Mutation, cache: Path, keep: bool) -> tuple[str, float, str]:
         why = apply(m, tree)
         if why:
             return "stale", 0.0, why
-        env = dict(os.environ, PYTHONPATH=str(tree / "src"), FIBATTN_CACHE=str(cache), PYTHONDONTWRITEBYTECODE="1")
-        t0 = time.monotonic()
-        res = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
-                             cwd=tree, env=env, capture_output=True, text=True)
-        secs = time.monotonic() - t0
-        verdict, detail = verdict_of(res.returncode, (res.stdout.strip().splitlines() or [""])[-1])
+        rc, tail, secs = _pytest(tree, cache, m.tests)
+        verdict, detail = verdict_of(rc, tail)
         return verdict, secs, detail
     finally:
         if not keep:
@@ -103,6 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", help="comma-separated mutation names")
     p.add_argument("--list", action="store_true", help="list the mutations and exit")
     p.add_argument("--keep", action="store_true", help="keep each mutated copy (its path is printed)")
+    p.add_argument("--no-baseline", action="store_true", help="skip running each test selection unmutated first")
     args = p.parse_args(argv)
     chosen = MUTATIONS
     if args.only:
@@ -117,9 +144,13 @@ def main(argv=None) -> int:
             print(f"{m.name:<32} {m.kind:<18} {m.file}")
         return 0
     cache = Path(tempfile.gettempdir()) / "fibattn-mutation-kernels"
+    failing = {} if args.no_baseline else baseline(chosen, cache)
     survivors = []
     for m in chosen:
-        verdict, secs, detail = check(m, cache, args.keep)
+        if failing.get(m.tests):
+            verdict, secs, detail = "BASELINE", 0.0, failing[m.tests]
+        else:
+            verdict, secs, detail = check(m, cache, args.keep)
         print(f"{verdict:<9} {m.name:<32} {m.kind:<18} {secs:6.1f}s  {detail}", flush=True)
         if verdict != "caught":
             survivors.append(m.name)
