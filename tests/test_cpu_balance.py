@@ -21,7 +21,7 @@ CASES = [  # B, H, Hkv, T, Dh, documents
     (1, 4, 2, 700, 64, None),        # two heads on two threads: each thread's own range is a head
     (1, 2, 1, 900, 32, (300, 1)),    # one head split between the threads, documents, grouped
     (2, 2, 2, 333, 24, None),        # ragged last blocks
-    (1, 3, 3, 64, 64, None),         # a block per head: fewer units than a steal would want
+    (1, 3, 3, 64, 64, None),         # one block per head: 3 units over 2 or 3 threads
 ]
 COLUMNS = [ColumnSpec((0, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233)),
            ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None)]

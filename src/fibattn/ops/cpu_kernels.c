@@ -120,7 +120,7 @@ int fa_abi_version(void) { return 14; }
  * empty, it takes units from the back of the other ranges (a steal). So a thread that the machine slows
  * (another process on its core, a shared host's neighbours) holds the others up by about one unit, not
  * by the difference in speed: on a 2-core guest at 4K, the busy times of the two threads of a static
- * schedule differed by 5-20 % from call to call. A range is (next, end) in one word, changed by CAS. */
+ * schedule differed by 5-25 % from call to call. A range is (next, end) in one word, changed by CAS. */
 typedef struct { uint64_t r; char pad[56]; } fa_range_t;
 
 /* nt ranges over n units; NULL when out of memory or n does not fit a range's 32-bit halves. */
@@ -169,7 +169,6 @@ static inline void fa_pause(int spins) {
     else __builtin_ia32_pause();
 #endif
 }
-
 
 /* ends[b, m]: one past the last row of the document holding row m (a document starts where
  * dpos is 0); NULL when out of memory. */
@@ -1275,11 +1274,10 @@ static inline int SFX(readers_done)(const unsigned char *done, i64 u, i64 nb, i6
 /* Gradients of fa_attn_fwd (P, G and PH as there; out is read by the generic rows only). dS (B,H,T,C)
  * is scratch (the vector rows keep it times scale); when dfrac (C doubles) is non-NULL, d loss / d f
  * of each two-tap column is added to it, along (wlo, whi) = (1 - f, f). Pass 2 of a block needs pass 1
- * of the blocks up to the largest distance on (lag blocks). With at least as many head groups as
- * threads, each thread takes whole head groups and runs pass 2 of block b right after pass 1 of block
- * b + lag, while the rows it reads again (q, dout, P, dS) are still in its caches: one pass over
- * memory instead of two. Otherwise pass 1 runs over every (head group, block), then pass 2. Either
- * way each block does the same sums in the same order, so the results are the same bit for bit. */
+ * of the blocks up to the largest distance on (lag blocks). A thread streaming its own range runs pass
+ * 2 of block b right after pass 1 of block b + lag, while the rows it reads again (q, dout, P, dS) are
+ * still in its caches: one pass over memory instead of two. Whoever runs a block, it does the same
+ * sums in the same order, so the results are the same bit for bit. */
 int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *out, const REAL *dout,
                      const REAL *P, const REAL *G, i64 PH, REAL *dS, REAL *dq, REAL *dk, REAL *dv, double *dfrac,
                      i64 B, i64 H, i64 Hk,
