@@ -1328,7 +1328,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
             np = keep;
         }
         for (i64 j = 0; j < np; j++) {
-            for (int spins = 0; !SFX(readers_done)(done, pend[j], nb, lag); spins++) fa_pause(spins);
+            for (int spins = 0; !SFX(readers_done)(done, pend[j], nb, lag); spins += spins < 1024) fa_pause(spins);
             SFX(bwd_pass2)(&a, &ws, pend[j] / nb, pend[j] % nb);
         }
         fa_fence();
