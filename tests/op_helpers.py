@@ -142,3 +142,19 @@ def cpu_kernels(q, k, v, dout, cols, kind, threads, off=None):
     finally:
         torch.set_num_threads(nt)
         cpu_backend.kernel = before
+
+
+def poison_scratch():
+    """Fill the cpu backward's dS scratch with NaN, so that a dS read before it is written shows."""
+    for buf in cpu_backend._scratch.bufs.values():
+        buf.fill_(float("nan"))
+
+
+def use_kernel_build(patch, cache, flags):
+    """Switch the cpu backend to a library built with ``flags`` (instead of the backend's own) into the
+    folder ``cache``, through ``patch`` (a MonkeyPatch: undoing it restores the usual library)."""
+    patch.setenv("FIBATTN_CACHE", str(cache))
+    patch.setattr(cpu_backend, "_CFLAGS", tuple(flags))
+    patch.setattr(cpu_backend, "_state", None)
+    assert cpu_backend.unavailable("cpu") is None
+    return cpu_backend._build().lib

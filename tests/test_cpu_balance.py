@@ -13,7 +13,7 @@ from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.ops.documents import offsets_unchecked
 
-from op_helpers import cpu_kernels, doc_ids, make
+from op_helpers import cpu_kernels, doc_ids, make, poison_scratch, use_kernel_build
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -36,27 +36,19 @@ def _results():
             cols = host_columns(spec, 1.37 if spec.interpolated else None, T)
             for kind in ("tiled", "rows"):
                 for threads in (2, 3):
-                    cpu_kernels(q, k, v, dout, cols, kind, threads, off)     # sizes the dS scratch; then poison it
-                    for buf in cpu_backend._scratch.bufs.values():           # a dS read before it is written shows
-                        buf.fill_(float("nan"))
+                    cpu_kernels(q, k, v, dout, cols, kind, threads, off)     # sizes the dS scratch
+                    poison_scratch()
                     out.append(cpu_kernels(q, k, v, dout, cols, kind, threads, off))
     return out
 
 
-def test_stolen_blocks_give_the_same_bits(tmp_path):
+def test_stolen_blocks_give_the_same_bits(tmp_path, monkeypatch):
     """Thread 1 slowed: with 2 threads thread 0 takes blocks from the back of its range, with 3 threads
     threads 0 and 2 do, and thread 0's last blocks wait on the first of thread 1's range."""
     plain = _results()
-    patch = pytest.MonkeyPatch()
-    try:
-        patch.setenv("FIBATTN_CACHE", str(tmp_path))
-        patch.setattr(cpu_backend, "_CFLAGS", (*cpu_backend._CFLAGS, "-DFA_SLOW_THREAD=1"))
-        patch.setattr(cpu_backend, "_state", None)
-        assert cpu_backend.unavailable("cpu") is None
-        steals = ctypes.c_long.in_dll(cpu_backend._build().lib, "fa_steals")
-        got = _results()
-    finally:
-        patch.undo()
+    lib = use_kernel_build(monkeypatch, tmp_path, (*cpu_backend._CFLAGS, "-DFA_SLOW_THREAD=1"))
+    steals = ctypes.c_long.in_dll(lib, "fa_steals")
+    got = _results()
     assert steals.value > 0                         # the other threads did take the slowed thread's blocks
     for want, have in zip(plain, got, strict=True):
         for a, b in zip(want, have):

@@ -13,7 +13,7 @@ import torch
 from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 
-from op_helpers import close, cpu_kernels, cpu_matches_reference, doc_ids, make
+from op_helpers import close, cpu_kernels, cpu_matches_reference, doc_ids, make, use_kernel_build
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -23,14 +23,11 @@ def width(tmp_path_factory):
     """The other vector width in bytes, with the backend switched to a library built for it."""
     width = 32 if " avx512f " in f" {cpu_backend._cpu_flags()} " else 64
     patch = pytest.MonkeyPatch()
-    patch.setenv("FIBATTN_CACHE", str(tmp_path_factory.mktemp("kernels")))
     # -O1: gcc lowers the wider vectors 3x slower at -O2 (30 s), and the lanes' logic is the same
     flags = tuple("-O1" if f == "-O2" else f for f in cpu_backend._CFLAGS)
     # and the dots' order a machine of that width builds (cpu_kernels.c, FA_VREGS: AVX-512 has 32)
     regs = f"-DFA_VREGS={32 if width == 64 else 16}"
-    patch.setattr(cpu_backend, "_CFLAGS", (*flags, f"-DFA_VBYTES={width}", regs, "-Wno-psabi"))
-    patch.setattr(cpu_backend, "_state", None)
-    assert cpu_backend.unavailable("cpu") is None
+    use_kernel_build(patch, tmp_path_factory.mktemp("kernels"), (*flags, f"-DFA_VBYTES={width}", regs, "-Wno-psabi"))
     yield width
     patch.undo()
 

@@ -9,8 +9,8 @@ is *caught* when one of those tests fails (tests that only error are *ERRORED*: 
 each distinct test selection runs once on an unmutated copy: a selection that fails there would
 "catch" anything, so its mutations are *BASELINE* (not caught; ``--no-baseline`` skips this, about
 half the run's time). The run prints each verdict, then ``caught N/M`` and the survivors (stale
-entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not in CI; ``tests/test_mutations_tool.py``
-(default suite) checks that every entry still applies.
+entries among them), and exits 1 unless every mutation is caught. Run on demand (minutes), not in
+CI; ``tests/test_mutations_tool.py`` (default suite) checks that every entry still applies.
 """
 from __future__ import annotations
 
