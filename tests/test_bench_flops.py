@@ -8,6 +8,8 @@ import torch
 from fibattn.bench import attention as ba
 from fibattn.bench import attention_flops as bf
 from fibattn.ops import cpu_backend
+from fibattn.ops.columns import ColumnSpec, host_columns
+from fibattn.schedules import as_base
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -61,7 +63,8 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     assert [(c["check"], c["T"], c["op"]) for c in checks] == [("cpu_kernels", 40, "integer"),
                                                                ("cpu_kernels", 40, "interpolated")]
     assert checks[0]["rows_ratio"] > 0 and checks[1]["rows_ratio"] is None and checks[0]["peak_gflop_s"] == 50.0
-    assert all(c["op_ms"] > 0 and c["kernels_gflop_s"] > 0 and c["mm_gflop_s"] > 0 for c in checks)
+    assert all(c["op_ms"] > 0 and c["kernels_gflop_s"] > 0 and c["mm_gflop_s"] > 0 and c["far_cost"] > 0
+               for c in checks)
     json.dumps(checks)                                            # what --json prints
     lines = bf.kernel_lines(checks)
     assert len(lines) == 1 and lines[0].startswith("T=40 fwd+bwd, public op vs its cpu kernels alone vs torch.mm 64x64")
@@ -70,6 +73,7 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     # kernel against kernel for the op whose generic rows the run times (integer here, not interpolated)
     assert lines[0].count("generic rows kernels alone / kernels alone = ") == 1
     assert lines[0].index("generic rows kernels alone") < lines[0].index("; interpolated ")
+    assert lines[0].count("far columns' cost ") == 2
     calls = []
     for name in ("attn_forward", "attn_backward"):
         real = getattr(cpu_backend, name)
@@ -77,12 +81,25 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
             calls.append((_name, kw.get("into") is not None)), _real(*a, **kw))[1])
     kt = bf.kernel_ms(cfg, "integer", 40, 2)
     assert kt.op_ms > 0 and kt.kernels_ms > 0 and kt.mm_gflop_s > 0 and kt.rows_ratio is None
-    # three rounds (one warm-up); the kernels alone always write into the tensors made beforehand
-    # (the public op reaches the kernels through the op interface, not these module attributes)
-    assert calls == [("attn_forward", True), ("attn_backward", True)] * 3
+    # three rounds (one warm-up) of the kernels alone on the op's columns and on the packed ones; they always
+    # write into the tensors made beforehand (the public op reaches the kernels through the op interface)
+    assert calls == [("attn_forward", True), ("attn_backward", True)] * 6
     kinds = []
     monkeypatch.setattr(cpu_backend, "attn_forward", lambda *a, _real=cpu_backend.attn_forward, **kw: (
         kinds.append(cpu_backend.kernel), _real(*a, **kw))[1])
     kt = bf.kernel_ms(cfg, "integer", 40, 2, rows=True)
-    assert kt.rows_ratio > 0 and kinds == ["tiled", "rows"] * 3 and cpu_backend.kernel == "tiled"
+    assert kt.rows_ratio > 0 and kinds == ["tiled", "tiled", "rows"] * 3 and cpu_backend.kernel == "tiled"
     assert bf.kernel_checks(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []
+
+
+def test_packed_columns_keep_every_tap_and_weight_next_to_the_diagonal():
+    """The far columns' cost compares the op's columns with these: the same taps, read from recent rows."""
+    T = 4096
+    exact = host_columns(ColumnSpec((0, 1, 2, 20, 51, 1480)), None, T)
+    assert bf.packed_columns(exact, T).lo == (0, 1, 2, 3, 4, 5)
+    base = tuple(as_base("fib:15").resolve(T))
+    interp = host_columns(ColumnSpec(None, 12, base, None), 1.5, T)      # 10 rungs of two taps, 5 never valid
+    near = bf.packed_columns(interp, T)
+    assert near.lo == tuple(range(13)) + tuple(range(13, 33, 2)) + (T,) * 5
+    assert (near.wlo, near.whi, near.two, near.b) == (interp.wlo, interp.whi, interp.two, interp.b)
+    assert bf.packed_columns(host_columns(ColumnSpec((0, 5)), None, 3), 3).lo == (0, 5)   # 5 >= T: stays never valid

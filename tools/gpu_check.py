@@ -271,12 +271,15 @@ def cpu(r: Runner, summary: dict) -> None:
             ratios[f"cpu {path}: generic rows / vector rows fwd+bwd at {T}"] = round_ratio(
                 SimpleNamespace(**rows[T, f"{path}-rows"]), SimpleNamespace(**x))
         if path == "interpolated" and (T, "integer") in rows:
-            ratios[f"cpu interpolated/integer fwd+bwd at {T}"] = x["ms"] / rows[T, "integer"]["ms"]
+            ratios[f"cpu interpolated/integer fwd+bwd at {T}"] = round_ratio(
+                SimpleNamespace(**x), SimpleNamespace(**rows[T, "integer"]))
     for c in checks:
         if c["op"] == "integer" and c.get("peak_gflop_s"):
             ratios[f"cpu integer share of the matmul peak at {c['T']}"] = c["op_gflop_s"] / c["peak_gflop_s"]
         if c.get("rows_ratio"):
             ratios[f"cpu {c['op']} kernels alone: generic rows / vector rows at {c['T']}"] = c["rows_ratio"]
+        if c.get("far_cost"):      # what the far columns' rows cost this CPU's caches (bench attention_flops)
+            ratios[f"cpu {c['op']} kernels alone: far columns' cost at {c['T']}"] = c["far_cost"]
 
 
 def static(r: Runner, summary: dict) -> None:

@@ -11,6 +11,7 @@ bound on the work done).
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -96,6 +97,23 @@ class KernelTimes:
     kernels_ms: float        # its cpu kernels alone, fastest round
     mm_gflop_s: float        # torch.mm in the same rounds
     rows_ratio: float | None  # the generic rows' kernels alone over the kernels alone: median of the rounds' ratios
+    far_cost: float           # the kernels alone per attended row over the same on packed columns (packed_columns)
+
+
+def packed_columns(cols, T: int):
+    """``cols`` moved next to the diagonal, in order (a column's taps right after the one before's;
+    never-valid columns stay so): the same taps and weights, but every row they read was read a few
+    rows before, so it is still in the caches. The kernels' time on them per attended row is what the
+    op would cost if its far columns' rows came as cheaply as the window's."""
+    lo, near = [], 0
+    for c, two in zip(cols.lo, cols.two):
+        lo.append(c if c >= T else near)
+        near += (c < T) * (1 + two)
+    return dataclasses.replace(cols, lo=tuple(lo))
+
+
+def _attended_rows(cols, T: int) -> int:
+    return sum(max(T - lo, 0) for lo in cols.lo)
 
 
 def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> KernelTimes:
@@ -103,7 +121,8 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
     (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
     (every output and the scratch allocated once beforehand) and of ``torch.mm`` (``MM_N``
     square); ``rows``: also the generic rows' kernels alone (issue 29's baseline), kernel against
-    kernel, without the public op's fixed cost that both pay. The matmul rate comes from the same
+    kernel, without the public op's fixed cost that both pay; and the kernels alone on
+    :func:`packed_columns`, the far columns' cost. The matmul rate comes from the same
     minutes as the op's times, where the run's peak (``matmul_peak``) is taken once at its start, and
     this machine's speed drifts by ±20 % over minutes."""
     from .attention_paths import _distances, _inputs, _with_cpu_kernel, make_step
@@ -118,11 +137,13 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
     bwd = (huge_empty(q, *q.shape), huge_empty(k, *k.shape), huge_empty(v, *v.shape))   # as the op's own
     a, b = torch.randn(MM_N, MM_N), torch.randn(MM_N, MM_N)
 
-    def kernels():
+    near = packed_columns(cols, T)
+
+    def kernels(cols=cols):
         out, aux = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
         cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, scale, need_dfrac=interp, into=bwd)
 
-    steps = [make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b)]
+    steps = [make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b), lambda: kernels(near)]
     if rows:
         steps.append(_with_cpu_kernel("rows", kernels))
     times = [[] for _ in steps]
@@ -132,8 +153,10 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
             step()
             if r:
                 times[j].append(time.perf_counter() - t0)
-    ratio = statistics.median(x / y for x, y in zip(times[3], times[1])) if rows else None
-    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9, ratio)
+    ratio = statistics.median(x / y for x, y in zip(times[4], times[1])) if rows else None
+    per_row = _attended_rows(near, T) / _attended_rows(cols, T)
+    far = statistics.median(x / y * per_row for x, y in zip(times[1], times[3]))
+    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9, ratio, far)
 
 
 def kernel_checks(cfg, peak: float | None) -> list[dict]:
@@ -150,7 +173,8 @@ def kernel_checks(cfg, peak: float | None) -> list[dict]:
             checks.append({"check": "cpu_kernels", "T": T, "op": op, "op_ms": kt.op_ms, "kernels_ms": kt.kernels_ms,
                            "op_gflop_s": gflop_rate(cfg, op, T, kt.op_ms),
                            "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
-                           "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "rounds": cfg.repeats,
+                           "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "far_cost": kt.far_cost,
+                           "rounds": cfg.repeats,
                            "threads": torch.get_num_threads()})
     return checks
 
@@ -167,7 +191,9 @@ def kernel_lines(checks: list[dict]) -> list[str]:
                          f"kernels alone {c['kernels_ms']:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
                          + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s"
                          + (f", generic rows kernels alone / kernels alone = {ratio:.2f}x (median of the rounds' "
-                            "ratios)" if ratio else ""))
+                            "ratios)" if ratio else "")
+                         + f", far columns' cost {c['far_cost']:.2f}x (kernels alone per attended row over the same "
+                         "columns packed next to the diagonal, median of the rounds' ratios)")
         lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
                      f"once; fastest of {checks[0]['rounds']}, interleaved): " + "; ".join(parts))
     return lines
