@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fibattn
-from fibattn.ops import backend_available, backends, cpu_backend, torch_backend
+from fibattn.ops import backend_available, backends, columns, cpu_backend, torch_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.schedules import attended_distances
 from op_helpers import FP32, FP64, alpha_grad_matches_fd, bf16_check, close, interp, make, run, sparse
@@ -99,6 +99,20 @@ def test_interpolated_long_fp32_grouped_noncontiguous(backend):
 def test_alpha_gradient_matches_finite_differences(backend):
     q, k, v, dout = make(T=80, Dh=6, dtype=torch.float64, seed=5)
     alpha_grad_matches_fd(interp(6, "fib", backend), q, k, v, dout)
+
+
+def test_alpha_gradient_sum_on_the_host_is_the_tensor_sum_and_passes_inf_and_nan():
+    """``dalpha`` sums a CPU ``dfrac`` on the host; a diverging step's inf or nan must reach alpha's
+    gradient as it would through torch (for the scaler's check), not raise."""
+    dfrac, b = torch.tensor([0.25, -1.5, 3.0e-3, 2.0], dtype=torch.float64), (1, 2, 3, 5)
+    for dtype in (torch.float32, torch.float64):
+        got = columns.dalpha(dfrac, b, torch.tensor(1.5, dtype=dtype))
+        want = (dfrac * torch.tensor(b, dtype=torch.float64)).sum().to(dtype)
+        assert got.dtype == dtype and got.shape == () and torch.allclose(got, want, rtol=1e-15, atol=0)
+    for bad, want in (([float("inf"), -float("inf")], "nan"), ([1e308, 1e308], "inf"), ([float("nan"), 1.0], "nan")):
+        got = columns.dalpha(torch.tensor(bad, dtype=torch.float64), (1, 1), torch.tensor(1.0))
+        assert str(got.item()) == want
+    assert columns.dalpha(torch.zeros(0, dtype=torch.float64), (), torch.tensor(1.0)).item() == 0.0
 
 
 @pytest.mark.parametrize("backend", FAST)
