@@ -116,7 +116,6 @@ def packed_columns(cols, T: int):
     return dataclasses.replace(cols, lo=tuple(lo))
 
 
-
 def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> KernelTimes:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
     (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
