@@ -305,7 +305,8 @@ def test_attention_json_backend_field(capsys, one_thread):
     rec = lines[0]
     assert rec["path"] == "dense" and rec["backend"].startswith("sdpa-cpu-")
     host = [r for r in lines if r.get("check") == "host_overhead"]       # values: the benchmark's business
-    assert [r["op"] for r in host] == ["integer", "interpolated"] and all(r["public_us"] > 0 for r in host)
+    assert [(r["op"], r["cold"]) for r in host] == [("integer", False), ("interpolated", False), ("integer", True),
+                                                    ("interpolated", True)] and all(r["public_us"] > 0 for r in host)
     assert bp.sdpa_label("flash", "cuda:0") == "sdpa-flash" and bp.sdpa_label("math", "cpu") == "sdpa-cpu-math"
 
 

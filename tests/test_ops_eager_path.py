@@ -185,5 +185,9 @@ def test_host_overhead_returns_numbers(op):
         assert isinstance(x, float) and math.isfinite(x)
     assert res.public_us > 0 and res.direct_us > 0
     assert res.line().startswith(f"host overhead per call (cpu, T=16, fwd+bwd, {op}): public op ")
+    # cold: each call after twice the largest cache is written; at least three rounds however short the time
+    cold = ba.host_overhead(op, seconds=0.0, cold=True)
+    assert cold.cold and cold.public_us > 0 and cold.direct_us > 0 and math.isfinite(cold.fibattn_us)
+    assert cold.line().startswith(f"host overhead per call (cpu, T=16, fwd+bwd, {op}, caches emptied first): ")
     with pytest.raises(ValueError, match="op must be"):
         ba.host_overhead("dense")

@@ -27,7 +27,8 @@ Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting
 
 After the table, one line per op gives its per-call host overhead (:func:`host_overhead`, ~0.5 s
 each): the public op on the ``cpu`` backend at T=16, forward+backward, against its kernels
-called directly, and how much of the difference autograd alone accounts for.
+called directly, and how much of the difference autograd alone accounts for; then the same with
+the caches emptied before each call, as a model's other layers or long sequences leave them.
 
 On CUDA each timed round runs enough calls to last ~20 ms before it synchronises, and the
 integer and interpolated rows also report the kernels' own memory traffic in GB/s (each
@@ -362,8 +363,8 @@ def run(args) -> int:
     if why is not None:
         print(f"host overhead: not measured, {why}", file=out, flush=True)
     else:
-        for op in ("integer", "interpolated"):
-            res = host_overhead(op)
+        for op, cold in (("integer", False), ("interpolated", False), ("integer", True), ("interpolated", True)):
+            res = host_overhead(op, cold=cold)
             print(res.line(), file=out, flush=True)
             if args.json:
                 print(json.dumps({**asdict(res), "fibattn_us": res.fibattn_us, "check": "host_overhead"}), flush=True)

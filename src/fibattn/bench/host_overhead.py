@@ -2,6 +2,7 @@
 (issue 22: the eager path); ``fibattn bench attention`` prints it."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class HostOverhead:
     direct_us: float           # its kernel set called directly, no autograd
     overhead_us: float         # public_us - direct_us
     autograd_us: float         # the floor: eager.Attention (the kernels in a bare autograd Function) - direct_us
+    cold: bool = False         # each call right after the caches were emptied (the median call; else the fastest)
 
     @property
     def fibattn_us(self) -> float:
@@ -29,20 +31,29 @@ class HostOverhead:
         return self.overhead_us - self.autograd_us
 
     def line(self) -> str:
-        return (f"host overhead per call (cpu, T=16, fwd+bwd, {self.op}): public op {self.public_us:.0f} µs, "
+        where = f"{self.op}, caches emptied first" if self.cold else self.op
+        return (f"host overhead per call (cpu, T=16, fwd+bwd, {where}): public op {self.public_us:.0f} µs, "
                 f"kernels direct {self.direct_us:.0f} µs, overhead {self.overhead_us:.0f} µs = PyTorch's autograd "
                 f"floor {self.autograd_us:.0f} µs + fibattn {self.fibattn_us:.0f} µs")
 
 
-def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) -> HostOverhead:
+def _emptier() -> torch.Tensor:
+    """Bytes to write between cold calls: twice the largest cache (64 MiB where none is known)."""
+    return torch.empty(2 * max(cpu_backend.cpu_cache_bytes().values(), default=32 << 20), dtype=torch.uint8)
+
+
+def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20, cold: bool = False) -> HostOverhead:
     """What the public op (``integer`` or ``interpolated``) costs per call over its kernels.
 
     The ``cpu`` backend at B=1, H=2, T=16, Dh=16, one thread: forward+backward through autograd
     (``torch.autograd.grad``) against ``cpu_backend.plan`` / ``forward`` / ``backward`` called
     directly, and against the eager path's bare autograd Function (``eager.Attention``: the
     kernels and a cached column plan, no checks, no backend resolution — PyTorch's floor for any
-    differentiable eager op); fibattn's own cost is what the public op adds over it. Rounds of ``calls`` calls alternate for about ``seconds``; each is
-    its fastest round, since load from other processes only ever adds time.
+    differentiable eager op); fibattn's own cost is what the public op adds over it. Rounds of ``calls``
+    calls alternate for about ``seconds``; each is its fastest round, since load from other processes
+    only ever adds time. ``cold``: each call right after writing twice the largest cache, as inside a
+    model whose other layers have just run (or at long lengths, after the kernels' own traffic);
+    rounds of one call each, and the median call of each.
     """
     if op not in ("integer", "interpolated"):
         raise UsageError(f"op must be 'integer' or 'interpolated', got {op!r}")
@@ -79,19 +90,22 @@ def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20) ->
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                 # an OpenMP team's start-up is not what is measured
+    emptier, n = (_emptier(), 1) if cold else (None, calls)
     try:
         steps = (public, function, direct)
         for fn in steps:
             fn()                             # warm-up (and the kernels' first load)
-        best = [float("inf")] * len(steps)
+        times: list[list[float]] = [[] for _ in steps]
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
+        while time.perf_counter() < end or len(times[0]) < 3:
             for i, fn in enumerate(steps):
+                if emptier is not None:
+                    emptier.fill_(len(times[i]) % 251)
                 t0 = time.perf_counter()
-                for _ in range(calls):
+                for _ in range(n):
                     fn()
-                best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+                times[i].append((time.perf_counter() - t0) / n * 1e6)
     finally:
         torch.set_num_threads(threads)
-    pub, bare, kern = best
-    return HostOverhead(op, pub, kern, pub - kern, bare - kern)
+    pub, bare, kern = (statistics.median(t) if cold else min(t) for t in times)
+    return HostOverhead(op, pub, kern, pub - kern, bare - kern, cold)

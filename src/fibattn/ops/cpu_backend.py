@@ -274,17 +274,24 @@ def _fast() -> ctypes.c_int:
 
 
 @functools.cache
-def _l2_bytes() -> int:
-    """One core's L2 cache in bytes (Linux sysfs; 1 MiB where it cannot be read)."""
+def cpu_cache_bytes() -> dict[int, int]:
+    """CPU 0's caches, ``{level: bytes}`` (Linux sysfs; the largest of a level, so the data cache
+    over the instruction cache; empty where they cannot be read)."""
+    sizes: dict[int, int] = {}
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            if (index / "level").read_text().strip() == "2":
-                size = (index / "size").read_text().strip().upper()
-                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-                return int(size.rstrip("KM")) * scale
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip().upper()
+            nbytes = int(size.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
         except (OSError, ValueError):
-            break
-    return 1 << 20
+            return {}
+        sizes[level] = max(sizes.get(level, 0), nbytes)
+    return sizes
+
+
+def _l2_bytes() -> int:
+    """One core's L2 cache in bytes (1 MiB where it cannot be read)."""
+    return cpu_cache_bytes().get(2, 1 << 20)
 
 
 def _stream_out(x: torch.Tensor) -> ctypes.c_int:
