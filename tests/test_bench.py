@@ -298,6 +298,13 @@ def test_attention_dense_backend_falls_through_to_first_that_runs(monkeypatch, o
         ba.bench_length(_cfg(), 64)
 
 
+def test_memory_worker_measures_a_path_in_a_process_of_its_own():
+    """The bench's CPU peak-memory figure comes from a fresh process per path (``measure_in_subprocess``)."""
+    cfg = ba.BenchConfig(lengths=[64], repeats=1, heads=2, kv_heads=2, head_dim=16, paths=["integer"])
+    mem = ba.measure_in_subprocess(cfg, "integer", 64)
+    assert set(mem) == {"peak_extra_mb", "ms"} and mem["peak_extra_mb"] >= 0 and mem["ms"] > 0
+
+
 def test_attention_json_backend_field(capsys, one_thread):
     assert cli_main(["bench", "attention", "--lengths", "32", "--repeats", "1", "--no-memory", "--paths", "dense",
                      "--heads", "2", "--head-dim", "16", "--json"]) == 0

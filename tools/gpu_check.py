@@ -137,8 +137,8 @@ def tests(r: Runner, summary: dict) -> None:
 def attention(r: Runner, summary: dict) -> None:
     main = ["bench", "attention", "--device", r.device, "--json", "--repeats", "3",
             "--paths", "dense,mask,torch,integer,interpolated"]
-    if r.quick:
-        main += ["--lengths", "256", "--forward-lengths", "512", "--repeats", "1"]
+    if r.quick:      # the memory workers (a process per path) are tests/test_bench.py's, not 20 s of this check's
+        main += ["--lengths", "256", "--forward-lengths", "512", "--repeats", "1", "--no-memory"]
     recs = _json_lines(r.run("bench_attention", _fibattn(*main), 300))
     flex = ["bench", "attention", "--device", r.device, "--json", "--paths", "flex,integer", "--no-memory",
             "--lengths", "256" if r.quick else "4096", "--forward-lengths", ""]
