@@ -289,6 +289,7 @@ def cpu_cache_bytes() -> dict[int, int]:
     return sizes
 
 
+@functools.cache                  # every kernel call asks (_stream_out): one lookup, as before
 def _l2_bytes() -> int:
     """One core's L2 cache in bytes (1 MiB where it cannot be read)."""
     return cpu_cache_bytes().get(2, 1 << 20)
