@@ -65,3 +65,20 @@ def test_todays_avx512_dots_do_not_spill(tmp_path):
     assert set(kernels) == {"forward", "backward pass 1", "backward pass 2"}
     assert kernels["forward"]["all"]["fmas"] > 0 and kernels["backward pass 1"]["all"]["fmas"] > 0
     assert data["goals"] and all(g["ok"] for g in data["goals"])
+
+
+@pytest.mark.skipif(not TOOLCHAIN, reason="needs gcc and objdump for x86-64")
+def test_native_reads_the_library_the_backend_runs(tmp_path, monkeypatch):
+    """``native`` without extra flags reads the backend's own library (no second compile of it); with
+    extra flags it compiles its own object."""
+    from fibattn.ops import cpu_backend
+    if cpu_backend.library_file() is None:
+        pytest.skip("cpu kernels unavailable")
+    assert cs.native_library() == cpu_backend.library_file()
+    compiled = []
+    monkeypatch.setattr(cs, "compile_object", lambda *a: compiled.append(a) or pytest.fail("compiled native"))
+    kernels = cs.analyse("native", tmp_path)
+    assert not compiled and set(kernels) == set(cs.KERNELS)
+    assert kernels["forward"]["all"]["fmas"] > 0 and kernels["backward pass 2"]["all"]["fmas"] > 0
+    with pytest.raises(pytest.fail.Exception):
+        cs.analyse("native", tmp_path, ("-DFA_VREGS=4",))

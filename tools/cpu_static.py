@@ -5,16 +5,16 @@
 
 The float half of ``cpu_kernels.c`` is compiled with the backend's own flags, ``-march=TARGET`` in
 place of ``native`` (gcc builds for any x86-64 target on any x86-64 machine), and read back with
-``objdump``. In each fused kernel (the forward, the backward's two passes) the tool takes the
-straight-line runs of code (between branches and branch targets) that hold at least 8 vector FMAs:
-the unrolled dots and weighted sums of the vector rows, one run per head size and call site. Over
-them it counts FMAs, instructions per FMA and stack references per FMA (``(%rsp)`` / ``(%rbp)``
-operands: registers spilled and reloaded). A run of at most 12 x lanes FMAs is one of head sizes
-up to 12 vectors (Dh 192 in fp32 with AVX-512, 96 with AVX2); larger heads spill whatever the order.
-Every run counts once, hot or cold: on the 2-core AVX2 machine the runs that spill are ones a
-profile finds no samples in (``perf annotate`` of pass 1 at 4K: its two hot runs, 39 % and 34 % of
-its samples, make 2 stack references between them), so weigh the figures with a profile where the
-machine itself is at hand.
+``objdump``; ``native`` without ``--cflags`` reads the backend's own library, built that same way. In
+each fused kernel (the forward, the backward's two passes) the tool takes the straight-line runs of
+code (between branches and branch targets) that hold at least 8 vector FMAs: the unrolled dots and
+weighted sums of the vector rows, one run per head size and call site. Over them it counts FMAs,
+instructions per FMA and stack references per FMA (``(%rsp)`` / ``(%rbp)`` operands: registers spilled
+and reloaded). A run of at most 12 x lanes FMAs is one of head sizes up to 12 vectors (Dh 192 in fp32
+with AVX-512, 96 with AVX2); larger heads spill whatever the order. Every run counts once, hot or cold:
+on the 2-core AVX2 machine the runs that spill are ones a profile finds no samples in (``perf
+annotate`` of pass 1 at 4K: its two hot runs, 39 % and 34 % of its samples, make 2 stack references
+between them), so weigh the figures with a profile where the machine itself is at hand.
 
 ``--goals``: on the AVX-512 targets, the runs of head sizes up to 12 vectors make at most 0.05 stack
 references per FMA. Each of their dots has 16 lanes; taken vector by vector, its 16 row pointers
@@ -103,8 +103,19 @@ def lanes(target: str) -> int:
     return 16 if target in AVX512 else 8
 
 
+def native_library() -> Path | None:
+    """The backend's own library for this machine (``-march=native``, both halves), built if missing:
+    the code that runs here, without a second 15 s compile of it."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from fibattn.ops import cpu_backend
+    path = cpu_backend.library_file()
+    # only a library built from this checkout's source (an installed fibattn may be another version)
+    return path if path is not None and cpu_backend._SOURCE.resolve() == SOURCE.resolve() else None
+
+
 def analyse(target: str, workdir: Path, extra: tuple[str, ...] = ()) -> dict:
-    obj = compile_object(target, workdir / f"kernels_{target}.o", extra)
+    obj = native_library() if target == "native" and not extra else None
+    obj = obj or compile_object(target, workdir / f"kernels_{target}.o", extra)
     text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], check=True,
                           capture_output=True, text=True).stdout
     funcs = functions(text)

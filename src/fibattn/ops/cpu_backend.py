@@ -163,6 +163,12 @@ def _build() -> _Build:
     return _state
 
 
+def library_file() -> Path | None:
+    """The kernel library this process runs (built on first use), or None where it cannot be built."""
+    lib = _build().lib
+    return None if lib is None else Path(lib._name)
+
+
 def unavailable(device) -> str | None:
     """``None`` when the kernels can run on ``device``, else the reason they cannot."""
     if torch.device(device).type != "cpu":
