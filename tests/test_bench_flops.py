@@ -52,7 +52,14 @@ def test_kernel_ratio_is_the_median_of_each_rounds_ratio():
     tiled = ba.Record(64, "integer", "cpu", ms=1.0, gflop_s=3.0, rounds_ms=[1.0, 8.0, 1.0])
     assert bf.round_ratio(rows, tiled) == 2.0                     # ratios 2, 1, 3 (medians alone: 3)
     assert bf.round_ratio(ba.Record(64, "a", "cpu", ms=3.0), ba.Record(64, "b", "cpu", ms=2.0)) == 1.5
-    assert "= 2.00x (median of the rounds' ratios; medians 3.0 vs 1.0 ms)" in bf.flop_lines([rows, tiled], None)[1]
+    assert bf.round_ratios(rows, tiled) == [2.0, 1.0, 3.0]
+    # the rounds' spread beside the median: the run's noise, next to a ratio held against a goal
+    assert "= 2.00x (median of the rounds' ratios, rounds 1.00 to 3.00; medians 3.0 vs 1.0 ms)" in \
+        bf.flop_lines([rows, tiled], None)[1]
+    assert bf.spread([2.0]) == "" and bf.ratio_range([2.0]) is None and bf.spread((1.5, 2.5)) == ", rounds 1.50 to 2.50"
+    interp = ba.Record(64, "interpolated", "cpu", ms=1.4, rounds_ms=[1.3, 12.0, 1.5])
+    text = ba.table([tiled, interp])
+    assert "interpolated/integer = 1.50x (median of the rounds' ratios, rounds 1.30 to 1.50)" in text
 
 
 def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread):
@@ -63,6 +70,9 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     assert [(c["check"], c["T"], c["op"]) for c in checks] == [("cpu_kernels", 40, "integer"),
                                                                ("cpu_kernels", 40, "interpolated")]
     assert checks[0]["rows_ratio"] > 0 and checks[1]["rows_ratio"] is None and checks[0]["peak_gflop_s"] == 50.0
+    lo, hi = checks[0]["rows_ratio_range"]
+    assert lo <= checks[0]["rows_ratio"] <= hi and checks[1]["rows_ratio_range"] is None
+    assert all(c["far_cost_range"][0] <= c["far_cost"] <= c["far_cost_range"][1] for c in checks)
     assert all(c["op_ms"] > 0 and c["kernels_gflop_s"] > 0 and c["mm_gflop_s"] > 0 and c["far_cost"] > 0
                for c in checks)
     json.dumps(checks)                                            # what --json prints
@@ -73,7 +83,7 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     # kernel against kernel for the op whose generic rows the run times (integer here, not interpolated)
     assert lines[0].count("generic rows kernels alone / kernels alone = ") == 1
     assert lines[0].index("generic rows kernels alone") < lines[0].index("; interpolated ")
-    assert lines[0].count("far columns' cost ") == 2
+    assert lines[0].count("far columns' cost ") == 2 and lines[0].count(", rounds ") == 3
     calls = []
     for name in ("attn_forward", "attn_backward"):
         real = getattr(cpu_backend, name)

@@ -58,7 +58,8 @@ import torch
 from ..checks import parse_int_list
 from ..ops import backend_available
 from ..validation import ConfigError, check_sizes_fit
-from .attention_flops import flop_lines, gflop_rate, kernel_checks, kernel_lines, matmul_peak, peak_line, round_ratio
+from .attention_flops import (flop_lines, gflop_rate, kernel_checks, kernel_lines, matmul_peak, peak_line,
+                              round_ratios, spread)
 from .attention_paths import (_DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, ROWS_PATHS, BenchConfig,
                               _inputs, backend_name, check_documents, document_lines, make_step, mask_bytes,
                               pick_sdpa, sdpa_label, traffic_bytes)
@@ -230,7 +231,9 @@ def table(records: list[Record], copy_rate: float | None = None) -> str:
             if ours and p in by and by[p].ms:
                 parts.append(f"{p}/integer = {by[p].ms / ours:.1f}x")
         if ours and "interpolated" in by and by["interpolated"].ms:
-            parts.append(f"interpolated/integer = {round_ratio(by['interpolated'], by['integer']):.2f}x")
+            ratios = round_ratios(by["interpolated"], by["integer"])
+            parts.append(f"interpolated/integer = {statistics.median(ratios):.2f}x"
+                         + (f" (median of the rounds' ratios{spread(ratios)})" if len(ratios) > 1 else ""))
         if copy_rate and "integer" in by and by["integer"].gb_s:
             parts.append(f"integer traffic {by['integer'].gb_s:.0f} GB/s = {by['integer'].gb_s / copy_rate:.0%} "
                          f"of a device copy ({copy_rate:.0f} GB/s)")

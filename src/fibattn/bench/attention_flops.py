@@ -65,11 +65,28 @@ def peak_line(peak: float) -> str:
             f"best of 5, measured in this run)")
 
 
-def round_ratio(a, b) -> float:
-    """The median over timed rounds of ``a``'s time over ``b``'s (records of one interleaved run): this
-    machine's speed drifts by tens of percent within a run, and a round's two times share its load."""
+def round_ratios(a, b) -> list[float]:
+    """``a``'s time over ``b``'s in each timed round (records of one interleaved run; without rounds, the
+    ratio of their times): a round's two times share that moment's load."""
     pairs = list(zip(a.rounds_ms or [], b.rounds_ms or []))
-    return statistics.median(x / y for x, y in pairs) if pairs else a.ms / b.ms
+    return [x / y for x, y in pairs] if pairs else [a.ms / b.ms]
+
+
+def round_ratio(a, b) -> float:
+    """The median of :func:`round_ratios`: this machine's speed drifts by tens of percent within a run."""
+    return statistics.median(round_ratios(a, b))
+
+
+def ratio_range(ratios) -> tuple | None:
+    """The lowest and highest of the rounds' ratios (None for one round or none)."""
+    return (min(ratios), max(ratios)) if ratios and len(ratios) > 1 else None
+
+
+def spread(ratios) -> str:
+    """``", rounds LO to HI"``: how far the rounds' ratios behind a median lie apart ("" for one round),
+    so that a reader sees the run's noise next to a ratio held against a goal."""
+    r = ratio_range(ratios)
+    return f", rounds {r[0]:.2f} to {r[1]:.2f}" if r else ""
 
 
 def flop_lines(records, peak: float | None) -> list[str]:
@@ -85,9 +102,10 @@ def flop_lines(records, peak: float | None) -> list[str]:
         for op in ("integer", "interpolated"):
             if op in by and f"{op}-rows" in by:
                 rows, tiled = by[f"{op}-rows"], by[op]
+                ratios = round_ratios(rows, tiled)
                 lines.append(f"T={T} {mode}: {op}, generic rows kernel / tiled kernel = "
-                             f"{round_ratio(rows, tiled):.2f}x (median of the rounds' ratios; medians {rows.ms:.1f} "
-                             f"vs {tiled.ms:.1f} ms)")
+                             f"{statistics.median(ratios):.2f}x (median of the rounds' ratios{spread(ratios)}; "
+                             f"medians {rows.ms:.1f} vs {tiled.ms:.1f} ms)")
     return lines
 
 
@@ -98,6 +116,8 @@ class KernelTimes:
     mm_gflop_s: float        # torch.mm in the same rounds
     rows_ratio: float | None  # the generic rows' kernels alone over the kernels alone: median of the rounds' ratios
     far_cost: float           # the kernels alone over the same on packed columns: median of the rounds' ratios
+    rows_range: tuple | None = None   # the rounds' lowest and highest of those ratios (None: one round)
+    far_range: tuple | None = None
 
 
 def packed_columns(cols, T: int):
@@ -153,9 +173,11 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
             step()
             if r:
                 times[j].append(time.perf_counter() - t0)
-    ratio = statistics.median(x / y for x, y in zip(times[4], times[1])) if rows else None
-    far = statistics.median(x / y for x, y in zip(times[1], times[3]))
-    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9, ratio, far)
+    ratios = [x / y for x, y in zip(times[4], times[1])] if rows else None
+    far = [x / y for x, y in zip(times[1], times[3])]
+    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9,
+                       statistics.median(ratios) if rows else None, statistics.median(far),
+                       ratio_range(ratios), ratio_range(far))
 
 
 def kernel_checks(cfg, peak: float | None) -> list[dict]:
@@ -173,6 +195,7 @@ def kernel_checks(cfg, peak: float | None) -> list[dict]:
                            "op_gflop_s": gflop_rate(cfg, op, T, kt.op_ms),
                            "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
                            "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "far_cost": kt.far_cost,
+                           "rows_ratio_range": kt.rows_range, "far_cost_range": kt.far_range,
                            "rounds": cfg.repeats,
                            "threads": torch.get_num_threads()})
     return checks
@@ -190,9 +213,9 @@ def kernel_lines(checks: list[dict]) -> list[str]:
                          f"kernels alone {c['kernels_ms']:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
                          + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s"
                          + (f", generic rows kernels alone / kernels alone = {ratio:.2f}x (median of the rounds' "
-                            "ratios)" if ratio else "")
+                            f"ratios{spread(c['rows_ratio_range'])})" if ratio else "")
                          + f", far columns' cost {c['far_cost']:.2f}x (kernels alone over the same on the columns "
-                         "packed next to the diagonal, median of the rounds' ratios)")
+                         f"packed next to the diagonal, median of the rounds' ratios{spread(c['far_cost_range'])})")
         lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
                      f"once; fastest of {checks[0]['rounds']}, interleaved): " + "; ".join(parts))
     return lines
