@@ -1,5 +1,6 @@
 """``bench attention``'s achieved GFLOP/s, matmul peak, the tiled-vs-rows cpu kernel paths and the
 kernels timed alone (issue 29)."""
+import dataclasses
 import json
 
 import pytest
@@ -100,6 +101,26 @@ def test_kernels_alone_write_into_tensors_allocated_once(monkeypatch, one_thread
     kt = bf.kernel_ms(cfg, "integer", 40, 2, rows=True)
     assert kt.rows_ratio > 0 and kinds == ["tiled", "tiled", "rows"] * 3 and cpu_backend.kernel == "tiled"
     assert bf.kernel_checks(ba.BenchConfig(device="cuda:0", paths=["integer"]), None) == []
+
+
+def test_grouped_heads_are_timed_beside_one_kv_head_per_query_head(monkeypatch, one_thread):
+    """Issue 29's grouped-heads goal in the same rounds: the kernels alone on 2 KV heads, the same queries."""
+    assert [bf.grouped_kv_heads(ba.BenchConfig(heads=h, kv_heads=kv)) for h, kv in
+            ((8, 8), (6, 6), (8, 2), (2, 2), (3, 3))] == [2, 2, None, None, None]
+    monkeypatch.setattr(bf, "MM_N", 64)
+    cfg = ba.BenchConfig(lengths=[40], repeats=3, heads=4, kv_heads=4, head_dim=16, window=3, fib_k=5,
+                         memory=False, paths=["integer"])
+    kv_heads = []
+    monkeypatch.setattr(cpu_backend, "attn_backward", lambda *a, _real=cpu_backend.attn_backward, **kw: (
+        kv_heads.append(a[1].shape[1]), _real(*a, **kw))[1])
+    kt = bf.kernel_ms(cfg, "integer", 40, 3)
+    assert kt.grouped[0] == 2 and kt.grouped[1] > 0 and kt.grouped[2][0] <= kt.grouped[1] <= kt.grouped[2][1]
+    assert kv_heads.count(2) == 4 and kv_heads.count(4) == 8          # 3 rounds and a warm-up; plain and packed
+    check = bf.kernel_checks(cfg, None)[0]
+    assert check["grouped_kv_heads"] == 2 and check["grouped_ratio"] > 0
+    json.dumps(check)
+    assert ", grouped heads " in bf.kernel_lines([check])[0] and "with 2 KV heads" in bf.kernel_lines([check])[0]
+    assert bf.kernel_checks(dataclasses.replace(cfg, kv_heads=2), None)[0]["grouped_ratio"] is None
 
 
 def test_packed_columns_keep_every_tap_and_weight_next_to_the_diagonal():

@@ -280,6 +280,9 @@ def cpu(r: Runner, summary: dict) -> None:
             ratios[f"cpu {c['op']} kernels alone: generic rows / vector rows at {c['T']}"] = c["rows_ratio"]
         if c.get("far_cost"):      # what the far columns' rows cost this CPU's caches (bench attention_flops)
             ratios[f"cpu {c['op']} kernels alone: far columns' cost at {c['T']}"] = c["far_cost"]
+        if c.get("grouped_ratio"):  # issue 29: grouped heads as fast per query head as one KV head per query head
+            key = f"cpu {c['op']} kernels alone: Hkv {c['grouped_kv_heads']} / Hkv = H at {c['T']}"
+            ratios[key] = c["grouped_ratio"]
 
 
 def static(r: Runner, summary: dict) -> None:

@@ -118,6 +118,7 @@ class KernelTimes:
     far_cost: float           # the kernels alone over the same on packed columns: median of the rounds' ratios
     rows_range: tuple | None = None   # the rounds' lowest and highest of those ratios (None: one round)
     far_range: tuple | None = None
+    grouped: tuple | None = None      # (KV heads, the kernels alone with them over with H, its range) or None
 
 
 def packed_columns(cols, T: int):
@@ -136,15 +137,22 @@ def packed_columns(cols, T: int):
     return dataclasses.replace(cols, lo=tuple(lo))
 
 
+def grouped_kv_heads(cfg) -> int | None:
+    """The KV heads of the grouped-heads check (issue 29: grouped heads as fast per query head as one KV
+    head per query head): 2 when the bench runs one KV head per query head and 2 groups them; else None."""
+    return 2 if cfg.kv_heads == cfg.heads and cfg.heads > 2 and cfg.heads % 2 == 0 else None
+
+
 def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> KernelTimes:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
     (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
     (every output and the scratch allocated once beforehand) and of ``torch.mm`` (``MM_N``
     square); ``rows``: also the generic rows' kernels alone (issue 29's baseline), kernel against
-    kernel, without the public op's fixed cost that both pay; and the kernels alone on
-    :func:`packed_columns`, the far columns' cost. The matmul rate comes from the same
-    minutes as the op's times, where the run's peak (``matmul_peak``) is taken once at its start, and
-    this machine's speed drifts by ±20 % over minutes."""
+    kernel, without the public op's fixed cost that both pay; the kernels alone on
+    :func:`packed_columns`, the far columns' cost; and (:func:`grouped_kv_heads`) the kernels alone on
+    k and v of fewer heads for the same queries. The matmul rate comes from the same minutes as the
+    op's times, where the run's peak (``matmul_peak``) is taken once at its start, and this machine's
+    speed drifts by ±20 % over minutes."""
     from .attention_paths import _distances, _inputs, _with_cpu_kernel, make_step
 
     leaves, dout = _inputs(cfg, T)
@@ -159,25 +167,37 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
 
     near = packed_columns(cols, T)
 
-    def kernels(cols=cols):
+    def kernels(cols=cols, k=k, v=v, bwd=bwd):
         out, aux = cpu_backend.attn_forward(q, k, v, cols, scale, into=fwd)
         cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, scale, need_dfrac=interp, into=bwd)
 
-    steps = [make_step(cfg, path, T, (leaves, dout)), kernels, lambda: torch.mm(a, b), lambda: kernels(near)]
+    steps = {"op": make_step(cfg, path, T, (leaves, dout)), "kernels": kernels, "mm": lambda: torch.mm(a, b),
+             "packed": lambda: kernels(near)}
     if rows:
-        steps.append(_with_cpu_kernel("rows", kernels))
-    times = [[] for _ in steps]
+        steps["rows"] = _with_cpu_kernel("rows", kernels)
+    hkv = grouped_kv_heads(cfg)
+    if hkv:
+        (_, kg, vg), _ = _inputs(dataclasses.replace(cfg, kv_heads=hkv), T)
+        kg, vg = kg.detach(), vg.detach()
+        bwd_g = (bwd[0], huge_empty(kg, *kg.shape), huge_empty(vg, *vg.shape))
+        steps["grouped"] = lambda: kernels(k=kg, v=vg, bwd=bwd_g)
+    times = {name: [] for name in steps}
     for r in range(rounds + 1):                          # the first round warms up (and builds the scratch)
-        for j, step in enumerate(steps):
+        for name, step in steps.items():
             t0 = time.perf_counter()
             step()
             if r:
-                times[j].append(time.perf_counter() - t0)
-    ratios = [x / y for x, y in zip(times[4], times[1])] if rows else None
-    far = [x / y for x, y in zip(times[1], times[3])]
-    return KernelTimes(min(times[0]) * 1e3, min(times[1]) * 1e3, 2 * MM_N ** 3 / min(times[2]) / 1e9,
-                       statistics.median(ratios) if rows else None, statistics.median(far),
-                       ratio_range(ratios), ratio_range(far))
+                times[name].append(time.perf_counter() - t0)
+
+    def over(name):
+        ratios = [x / y for x, y in zip(times[name], times["kernels"])]
+        return statistics.median(ratios), ratio_range(ratios)
+
+    rows_ratio, rows_range = over("rows") if rows else (None, None)
+    far_ratios = [x / y for x, y in zip(times["kernels"], times["packed"])]
+    return KernelTimes(min(times["op"]) * 1e3, min(times["kernels"]) * 1e3, 2 * MM_N ** 3 / min(times["mm"]) / 1e9,
+                       rows_ratio, statistics.median(far_ratios), rows_range, ratio_range(far_ratios),
+                       (hkv, *over("grouped")) if hkv else None)
 
 
 def kernel_checks(cfg, peak: float | None) -> list[dict]:
@@ -196,6 +216,9 @@ def kernel_checks(cfg, peak: float | None) -> list[dict]:
                            "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
                            "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "far_cost": kt.far_cost,
                            "rows_ratio_range": kt.rows_range, "far_cost_range": kt.far_range,
+                           "grouped_kv_heads": kt.grouped[0] if kt.grouped else None,
+                           "grouped_ratio": kt.grouped[1] if kt.grouped else None,
+                           "grouped_ratio_range": kt.grouped[2] if kt.grouped else None,
                            "rounds": cfg.repeats,
                            "threads": torch.get_num_threads()})
     return checks
@@ -215,7 +238,10 @@ def kernel_lines(checks: list[dict]) -> list[str]:
                          + (f", generic rows kernels alone / kernels alone = {ratio:.2f}x (median of the rounds' "
                             f"ratios{spread(c['rows_ratio_range'])})" if ratio else "")
                          + f", far columns' cost {c['far_cost']:.2f}x (kernels alone over the same on the columns "
-                         f"packed next to the diagonal, median of the rounds' ratios{spread(c['far_cost_range'])})")
+                         f"packed next to the diagonal, median of the rounds' ratios{spread(c['far_cost_range'])})"
+                         + (f", grouped heads {c['grouped_ratio']:.2f}x (kernels alone with {c['grouped_kv_heads']} "
+                            f"KV heads over with one per query head, median of the rounds' ratios"
+                            f"{spread(c['grouped_ratio_range'])})" if c.get("grouped_ratio") else ""))
         lines.append(f"T={T} fwd+bwd, public op vs its cpu kernels alone vs torch.mm {MM_N}x{MM_N} (outputs allocated "
                      f"once; fastest of {checks[0]['rounds']}, interleaved): " + "; ".join(parts))
     return lines
