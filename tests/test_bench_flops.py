@@ -114,7 +114,8 @@ def test_grouped_heads_are_timed_beside_one_kv_head_per_query_head(monkeypatch, 
     monkeypatch.setattr(cpu_backend, "attn_backward", lambda *a, _real=cpu_backend.attn_backward, **kw: (
         kv_heads.append(a[1].shape[1]), _real(*a, **kw))[1])
     kt = bf.kernel_ms(cfg, "integer", 40, 3)
-    assert kt.grouped[0] == 2 and kt.grouped[1] > 0 and kt.grouped[2][0] <= kt.grouped[1] <= kt.grouped[2][1]
+    assert kt.grouped_kv_heads == 2 and kt.grouped_ratio > 0
+    assert kt.grouped_range[0] <= kt.grouped_ratio <= kt.grouped_range[1]
     assert kv_heads.count(2) == 4 and kv_heads.count(4) == 8          # 3 rounds and a warm-up; plain and packed
     check = bf.kernel_checks(cfg, None)[0]
     assert check["grouped_kv_heads"] == 2 and check["grouped_ratio"] > 0

@@ -118,7 +118,9 @@ class KernelTimes:
     far_cost: float           # the kernels alone over the same on packed columns: median of the rounds' ratios
     rows_range: tuple | None = None   # the rounds' lowest and highest of those ratios (None: one round)
     far_range: tuple | None = None
-    grouped: tuple | None = None      # (KV heads, the kernels alone with them over with H, its range) or None
+    grouped_kv_heads: int | None = None   # grouped_kv_heads(cfg), or None: no grouped-heads check
+    grouped_ratio: float | None = None    # the kernels alone on those KV heads over on H: median of the rounds
+    grouped_range: tuple | None = None
 
 
 def packed_columns(cols, T: int):
@@ -189,15 +191,15 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
             if r:
                 times[name].append(time.perf_counter() - t0)
 
-    def over(name):
-        ratios = [x / y for x, y in zip(times[name], times["kernels"])]
+    def over(a, b="kernels"):                         # (median, range) of the rounds' ratios, or (None, None)
+        if a not in times:
+            return None, None
+        ratios = [x / y for x, y in zip(times[a], times[b])]
         return statistics.median(ratios), ratio_range(ratios)
 
-    rows_ratio, rows_range = over("rows") if rows else (None, None)
-    far_ratios = [x / y for x, y in zip(times["kernels"], times["packed"])]
+    (rows_ratio, rows_range), (far, far_range) = over("rows"), over("kernels", "packed")
     return KernelTimes(min(times["op"]) * 1e3, min(times["kernels"]) * 1e3, 2 * MM_N ** 3 / min(times["mm"]) / 1e9,
-                       rows_ratio, statistics.median(far_ratios), rows_range, ratio_range(far_ratios),
-                       (hkv, *over("grouped")) if hkv else None)
+                       rows_ratio, far, rows_range, far_range, hkv, *over("grouped"))
 
 
 def kernel_checks(cfg, peak: float | None) -> list[dict]:
@@ -216,9 +218,8 @@ def kernel_checks(cfg, peak: float | None) -> list[dict]:
                            "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
                            "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "far_cost": kt.far_cost,
                            "rows_ratio_range": kt.rows_range, "far_cost_range": kt.far_range,
-                           "grouped_kv_heads": kt.grouped[0] if kt.grouped else None,
-                           "grouped_ratio": kt.grouped[1] if kt.grouped else None,
-                           "grouped_ratio_range": kt.grouped[2] if kt.grouped else None,
+                           "grouped_kv_heads": kt.grouped_kv_heads, "grouped_ratio": kt.grouped_ratio,
+                           "grouped_ratio_range": kt.grouped_range,
                            "rounds": cfg.repeats,
                            "threads": torch.get_num_threads()})
     return checks
