@@ -465,6 +465,23 @@ FA_INLINE SFX(vec) SFX(dotv)(const REAL *restrict x, const REAL *restrict bi, co
     }
     return SFX(tree)(a);
 }
+
+/* dotv for the first n lanes only (0 in the others): a row's last group of dot lanes. Up to half the
+ * lanes, each is one dot and a horizontal sum (a 33rd lane is 8 FMAs, not another group of 64). */
+FA_INLINE SFX(vec) SFX(dotv_n)(const REAL *restrict x, const REAL *restrict bi, const i64 *restrict noff, int n,
+                              const int NV) {
+    if (n > FA_VL / 2) return SFX(dotv)(x, bi, noff, NV);
+    SFX(vec) t = {0}, lane;
+    for (int l = 0; l < FA_VL; l++) lane[l] = (REAL)l;
+    for (int l = 0; l < n; l++) {       /* lane by lane in registers (an array on the stack: tools/cpu_static.py) */
+        const SFX(uvec) *rl = (const SFX(uvec) *)(bi + noff[SFX(rev)[l]]);   /* rev is its own inverse */
+        SFX(vec) s = (SFX(vec)){0};
+#pragma GCC unroll 32
+        for (int c = 0; c < NV; c++) s += VLD(x + c * FA_VL) * rl[c];
+        t = VSEL(lane == (REAL)l, t - t + SFX(hsum)(s), t);
+    }
+    return t;
+}
 #undef FA_REV
 #undef FA_L1
 #undef FA_L2
@@ -489,6 +506,8 @@ static int SFX(ws_init)(SFX(ws_t) *ws, i64 C) {
         ws->row = NULL, ws->w = NULL, ws->blk = NULL;
         return 1;
     }
+    /* colmix reads a few lanes past a row's dots, with weight 0: finite there, never written */
+    memset(ws->blk, 0, sizeof(SFX(vec)) * FA_BLOCK * 2 * FA_MAXG);
     ws->col = ws->row + n, ws->tab = ws->row + 2 * n;
     ws->d = ws->w + n, ws->d2 = ws->w + 2 * n, ws->cf = ws->w + 3 * n, ws->cf2 = ws->w + 4 * n;
     ws->s = ws->w + 5 * n;
@@ -698,15 +717,22 @@ static void SFX(softmax)(REAL *restrict s, i64 n, REAL scale) {
 }
 
 /* ---------------------------------------------------------------- whole rows in vectors
- * Rows keep their column values in vectors: column c is lane c % FA_VL of group c / FA_VL, and
- * the second taps of a group's two-tap columns are one more group of dots ("hi" group; lanes of
- * single-tap columns there dot an unused row with weight 0). Scores, softmax and the column
- * coefficients are whole-vector operations, invalid columns (lo > lim) masked lanes. */
+ * Rows keep their column values in vectors: column c is lane c % FA_VL of group c / FA_VL. A row's
+ * dots fill lanes densely: first the C1 columns' first taps (dot lane c), then the second taps of
+ * the two-tap columns (a run, c0 up: column c's at dot lane c + hsh), and only the last group's used
+ * lanes are dotted (dotv_n). A group of second taps per column group left lanes idle: the bench's 33 taps
+ * (integer 23) took five groups of 8 lanes, now four and one lane (with 16 lanes: four groups, now two
+ * and one lane); the interpolated op took 0.93-0.94x the time at Dh 32 and 128, 0.99x at 64 (AVX2).
+ * The column mixes read a group's second taps at its lanes + hsh (colmix; single-tap lanes there
+ * weigh 0). Scores, softmax and the column coefficients are whole-vector operations, invalid columns
+ * (lo > lim) masked lanes. */
 typedef struct {
-    int ok, G1;                  /* usable at all; groups of columns */
-    int hig[FA_MAXG];            /* hi group of column group g, or -1 */
+    int ok, G1, Gd, tail;        /* usable at all; groups of columns; groups of dots, the last's lanes */
+    int hig[FA_MAXG];            /* where group g's second-tap coefficients go (cf + hig[g] * FA_VL), or -1 */
+    i64 hsh;                     /* column c's second tap is dot lane c + hsh */
     i64 C1, maxoff, n1;          /* columns that can be valid (lo < T), largest offset, their taps */
-    i64 nl;                      /* dot lanes (all groups) */
+    i64 nl;                      /* lane row offsets: Gd groups of dots, then per group with a hig, its columns'
+                                  * second taps (offr + (Gd + hig[g] - G1) * FA_VL; bwd_vmid without slopes) */
     i64 offr[FA_MAXG * FA_VL];   /* each dot lane's row offset, lanes in dotv's order */
     i64 noff[FA_MAXG * FA_VL];   /* -offr * D: the element offsets of an unclamped row */
     i64 lane[2 * FA_MAXG * FA_VL];/* tap t's coefficient lane */
@@ -718,30 +744,39 @@ typedef struct {
     char two[FA_MAXG * FA_VL];   /* the column has a second tap (whi may still be 0: frac = 0) */
 } SFX(lanes_t);
 
+/* The vector groups that hold nv lanes (a row's valid columns: a prefix). */
+FA_INLINE int SFX(ngroups)(i64 nv) { return (int)((nv + FA_VL - 1) / FA_VL); }
+
 static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T, i64 D, const i64 *lo,
                             const REAL *wlo, const REAL *whi, const int *two) {
     memset(L, 0, sizeof *L);
-    i64 off[FA_MAXG * FA_VL] = {0}, C1 = 0;
+    i64 off[FA_MAXG * FA_VL] = {0}, C1 = 0, c0 = -1, n2 = 0;
     while (C1 < C && lo[C1] < T) C1++;
-    const int G1 = (int)((C1 + FA_VL - 1) / FA_VL);
+    for (i64 c = 0; c < C1; c++)          /* the second taps' lanes need the two-tap columns in one run */
+        if (two[c] && (c0 < 0 ? (c0 = c, 1) : two[c - 1])) n2++;
+        else if (two[c]) return;          /* not so (host_columns never does this): the generic rows */
+    const int G1 = SFX(ngroups)(C1), Gd = SFX(ngroups)(C1 + n2);
     int G = G1;
     for (int g = 0; g < G1; g++) {
         int any = 0;
         for (i64 c = g * FA_VL; c < (g + 1) * FA_VL && c < C1; c++) any |= two[c];
         L->hig[g] = any ? G++ : -1;
     }
-    if (C1 < 1 || G > FA_MAXG) return;
+    if (C1 < 1 || Gd + G - G1 > FA_MAXG) return;
+    L->hsh = c0 < 0 ? 0 : C1 - c0;
     for (int g = 0; g < G1; g++)
         for (int l = 0; l < FA_VL; l++) {
             const i64 c = g * FA_VL + l, u = c < C1;
-            off[c] = u ? lo[c] : 0, L->idx[c] = (REAL)c;
+            if (u) off[c] = lo[c];
+            if (u && two[c]) off[c + L->hsh] = lo[c] + 1;
+            L->idx[c] = (REAL)c;
             L->wlo[c] = u ? (two[c] ? wlo[c] : 1) : 0, L->whi[c] = u && two[c] ? whi[c] : 0;
             L->two[c] = u && two[c];
-            if (L->hig[g] >= 0) off[L->hig[g] * FA_VL + l] = u ? lo[c] + (two[c] != 0) : 0;
+            if (L->hig[g] >= 0) off[(Gd + L->hig[g] - G1) * FA_VL + l] = u ? lo[c] + (two[c] != 0) : 0;
         }
-    for (int g = 0; g < G; g++)
+    for (int g = 0; g < Gd + G - G1; g++)
         for (int j = 0; j < FA_VL; j++) L->offr[g * FA_VL + j] = off[g * FA_VL + SFX(rev)[j]];
-    L->nl = (i64)G * FA_VL;
+    L->nl = (i64)(Gd + G - G1) * FA_VL, L->Gd = Gd, L->tail = (int)(C1 + n2 - (Gd - 1) * FA_VL);
     for (i64 j = 0; j < L->nl; j++) L->noff[j] = -L->offr[j] * D;
     L->n1 = tp->end[C1 - 1];
     for (i64 t = 0; t < L->n1; t++) {
@@ -759,23 +794,27 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
 /* tapsums' coefficient lanes of the taps: NULL (lane t) without two-tap columns. */
 FA_INLINE const i64 *SFX(tap_lanes)(const SFX(lanes_t) *L) { return L->ident ? NULL : L->lane; }
 
-/* The column groups that hold a row's nv valid columns (a prefix). */
-FA_INLINE int SFX(ngroups)(i64 nv) { return (int)((nv + FA_VL - 1) / FA_VL); }
-
 /* The lanes of column group g that are valid columns of a row with fnv of them (a prefix). */
 FA_INLINE SFX(ivec) SFX(valid)(const SFX(lanes_t) *L, int g, REAL fnv) { return VLD(L->idx + g * FA_VL) < fnv; }
 
-/* Column values wlo * dlo + whi * dhi (dlo alone in groups of single-tap columns). */
-FA_INLINE void SFX(colmix)(SFX(vec) *s, const SFX(vec) *dlo, const SFX(vec) *dhi, const SFX(lanes_t) *L, int ng) {
+/* The second-tap dots of column group g's lanes, from a row's dots d (block_dots; only the lanes of
+ * two-tap columns are theirs). */
+FA_INLINE SFX(vec) SFX(dhi)(const SFX(vec) *d, const SFX(lanes_t) *L, int g) {
+    return VLD((const REAL *)d + g * FA_VL + L->hsh);
+}
+
+/* Column values wlo * dlo + whi * dhi from a row's dots d (dlo alone in groups of single-tap columns);
+ * s may be d: group g's second taps lie at or past its own lanes. */
+FA_INLINE void SFX(colmix)(SFX(vec) *s, const SFX(vec) *d, const SFX(lanes_t) *L, int ng) {
     for (int g = 0; g < ng; g++)
-        if (L->hig[g] >= 0) s[g] = VLD(L->wlo + g * FA_VL) * dlo[g] + VLD(L->whi + g * FA_VL) * dhi[g];
-        else s[g] = dlo[g];
+        if (L->hig[g] >= 0) s[g] = VLD(L->wlo + g * FA_VL) * d[g] + VLD(L->whi + g * FA_VL) * SFX(dhi)(d, L, g);
+        else s[g] = d[g];
 }
 
 /* Store the column vectors to y[0..C) (their lanes past C1 hold 0), zeros past them. */
 FA_INLINE void SFX(put_cols)(REAL *restrict y, const SFX(vec) *x, const SFX(lanes_t) *L, i64 C) {
     for (int g = 0; g < L->G1; g++) SFX(vstore_n)(y + g * FA_VL, x[g], C - g * FA_VL);
-    for (i64 c = (i64)L->G1 * FA_VL; c < C; c++) y[c] = 0;
+    for (i64 c = (i64)L->G1 * FA_VL; c < C; c += FA_VL) SFX(vstore_n)(y + c, (SFX(vec)){0}, C - c);
 }
 
 /* cf[lane] = p * wlo on column lanes, p * whi on hi lanes (times f). */
@@ -797,17 +836,17 @@ FA_INLINE void SFX(fwd_vmids)(SFX(vec) *restrict blk, REAL *restrict ph, REAL *r
                               const SFX(lanes_t) *L, const i64 *restrict nvs, i64 i0, i64 i1, i64 C, REAL scale) {
     REAL mx[FA_BLOCK], inv[FA_BLOCK];
     for (i64 i = i0; i < i1; i++) {
-        SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, *dhi = s + FA_MAXG, m = {0};
+        SFX(vec) *s = blk + (i - i0) * 2 * FA_MAXG, m = {0};
         const REAL fnv = (REAL)nvs[i - i0];
         const int ng = SFX(ngroups)(nvs[i - i0]);
         if (gh) {
             SFX(vec) sl[FA_MAXG];
             for (int g = 0; g < L->G1; g++)
-                sl[g] = g < ng && L->hig[g] >= 0 ? VSEL(SFX(valid)(L, g, fnv), dhi[g] - s[g], (SFX(vec)){0})
-                                                 : (SFX(vec)){0};
+                sl[g] = g < ng && L->hig[g] >= 0
+                            ? VSEL(SFX(valid)(L, g, fnv), SFX(dhi)(s, L, g) - s[g], (SFX(vec)){0}) : (SFX(vec)){0};
             SFX(put_cols)(gh + i * C, sl, L, C);
         }
-        SFX(colmix)(s, s, dhi, L, ng);
+        SFX(colmix)(s, s, L, ng);
         m -= (REAL)INFINITY;
         for (int g = 0; g < ng; g++)       /* invalid lanes take the running max: they leave it as it is */
             s[g] = VSEL(SFX(valid)(L, g, fnv), s[g], m), m = VSEL(s[g] > m, s[g], m);
@@ -888,7 +927,7 @@ FA_INLINE void SFX(tapsums)(REAL *restrict yb, const REAL *restrict xb, const RE
 
 /* The dots of rows [i0, i1) of x with their lane rows of base, a row at a time (its q row and the band's
  * rows stay in L1; by lane groups over all the rows, each group read them again from L2: 1.07x the
- * forward): row m's first-tap groups at blk[m * 2 * FA_MAXG + g], its second-tap groups FA_MAXG further.
+ * forward): row m's Gd groups of dot lanes (lanes_t) at blk[m * 2 * FA_MAXG].
  * lims (or NULL: no row reaches its document start): the rows' limits; a row whose taps reach its
  * document start reads clamped rows (its lane offsets, clamped four at a time). */
 FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, const REAL *restrict x,
@@ -897,12 +936,11 @@ FA_INLINE void SFX(block_dots)(SFX(vec) *restrict blk, const SFX(lanes_t) *L, co
     for (i64 m = i0; m < i1; m++) {
         const i64 *ln = L->noff;
         i64 tab[FA_MAXG * FA_VL];
-        if (lims && lims[m - i0] < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lims[m - i0], D), ln = tab;
+        if (lims && lims[m - i0] < L->maxoff)
+            fa_row_offsets(tab, L->offr, L->Gd * FA_VL, lims[m - i0], D), ln = tab;  /* the dots' lanes only */
         SFX(vec) *d = blk + (m - i0) * 2 * FA_MAXG;
-        for (int g = 0; g < L->G1; g++) {
-            d[g] = SFX(dotv)(x + m * D, base + m * D, ln + g * FA_VL, NV);
-            if (L->hig[g] >= 0) d[FA_MAXG + g] = SFX(dotv)(x + m * D, base + m * D, ln + L->hig[g] * FA_VL, NV);
-        }
+        for (int g = 0; g < L->Gd; g++)
+            d[g] = SFX(dotv_n)(x + m * D, base + m * D, ln + g * FA_VL, g + 1 < L->Gd ? FA_VL : L->tail, NV);
     }
 }
 
@@ -1052,17 +1090,17 @@ FA_INLINE void SFX(get_cols)(SFX(vec) *x, const REAL *restrict y, const SFX(lane
     for (int g = 0; g < L->G1; g++) x[g] = SFX(vload_n)(y + g * FA_VL, C - g * FA_VL);
 }
 
-/* The middle of pass 1 for row i, from its dout . v dots dlo (first taps) and dhi (second taps) of ng
- * groups: dS (times scale) to dsi, the dq coefficients to cf, and d/d frac of the two-tap columns into
- * part (when non-NULL), from the forward's score slopes si (or, when NULL, two dots of qi with the
- * rows at bi + ln). delta = sum_c P_c dP_c, which equals dout . out (out = sum_c P_c v_c): the row's
- * own lanes, so pass 1 never reads out (an eighth of its memory traffic; 4-8 % of the backward). */
-FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REAL *restrict qi,
+/* The middle of pass 1 for row i, from its dout . v dots d (block_dots) for ng column groups: dS (times
+ * scale) to dsi, the dq coefficients to cf, and d/d frac of the two-tap columns into part (when non-NULL),
+ * from the forward's score slopes si (or, when NULL, two dots of qi with the rows at bi + ln).
+ * delta = sum_c P_c dP_c, which equals dout . out (out = sum_c P_c v_c): the row's own lanes, so pass 1
+ * never reads out (an eighth of its memory traffic; 4-8 % of the backward). */
+FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *d, const REAL *restrict qi,
                              const REAL *restrict bi, const i64 *restrict ln, const REAL *restrict pi,
                              const REAL *restrict si, REAL *restrict dsi, REAL *restrict cf, double *restrict part,
                              const SFX(lanes_t) *L, i64 nv, int ng, i64 C, REAL scale, const int NV) {
     SFX(vec) p[FA_MAXG], ds[FA_MAXG], pdp = {0};
-    SFX(colmix)(ds, dlo, dhi, L, ng);
+    SFX(colmix)(ds, d, L, ng);
     SFX(get_cols)(p, pi, L, C);
     for (int g = 0; g < ng; g++) pdp += p[g] * ds[g];
     const REAL delta = SFX(hsum)(pdp);
@@ -1073,9 +1111,9 @@ FA_INLINE void SFX(bwd_vmid)(const SFX(vec) *dlo, const SFX(vec) *dhi, const REA
         for (int g = 0; g < ng; g++)
             if (L->hig[g] >= 0) {
                 const SFX(vec) dq = si ? SFX(vload_n)(si + g * FA_VL, C - g * FA_VL)
-                                       : SFX(dotv)(qi, bi, ln + L->hig[g] * FA_VL, NV) -
+                                       : SFX(dotv)(qi, bi, ln + (L->Gd + L->hig[g] - L->G1) * FA_VL, NV) -
                                          SFX(dotv)(qi, bi, ln + g * FA_VL, NV);
-                const SFX(vec) t = scale * ds[g] * dq + p[g] * (dhi[g] - dlo[g]);
+                const SFX(vec) t = scale * ds[g] * dq + p[g] * (SFX(dhi)(d, L, g) - d[g]);
                 for (int l = 0; l < FA_VL; l++)
                     if (L->two[g * FA_VL + l] && g * FA_VL + l < nv) part[g * FA_VL + l] += (double)t[l];
             }
@@ -1102,7 +1140,7 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
         const i64 nv = nvs[i - i0], lim = lims[i - i0];
         const i64 *ln = L->noff;
         if (part && !sh && lim < L->maxoff) fa_row_offsets(tab, L->offr, L->nl, lim, D), ln = tab;
-        SFX(bwd_vmid)(d, d + FA_MAXG, qh + i * D, kb + i * D, ln, ph + i * C,
+        SFX(bwd_vmid)(d, qh + i * D, kb + i * D, ln, ph + i * C,
                       sh ? sh + i * C : NULL, dsh + i * C, cb + (i - i0) * FA_MAXG * FA_VL, part, L, nv,
                       SFX(ngroups)(nv), C, scale, NV);
     }
