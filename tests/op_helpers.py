@@ -2,10 +2,14 @@
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 """
+import dataclasses
+
 import torch
 
 import fibattn
 from fibattn.ops import cpu_backend
+from fibattn.ops.columns import Columns
+from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
 FP32 = dict(rtol=2e-5, atol=2e-5)
@@ -142,6 +146,32 @@ def cpu_kernels(q, k, v, dout, cols, kind, threads, off=None):
     finally:
         torch.set_num_threads(nt)
         cpu_backend.kernel = before
+
+
+# (single-tap columns, two-tap columns after them, single-tap ones after those) for the cpu kernels' dot lanes
+TWO_TAP_SPLITS = [
+    (13, 10, 0),     # the bench's columns: 33 dot lanes, the last group's one lane (of 8 or 16) a dot
+    (13, 4, 0),      # 21 lanes: the last group's 5 dotted whole (of 8) or as five dots (of 16)
+    (5, 4, 3),       # 16 lanes; single-tap columns after the two-tap ones
+    (6, 2, 0),       # 10 lanes: the last group's 2 (of 8) as two dots
+    (9, 7, 1),       # 24 lanes: the last group's 8 whole (of 8) or as eight dots (of 16)
+    (2, 1, 0),       # one two-tap column, 4 lanes
+    (4, -3, 2),      # two-tap columns apart (-3: every other one of 3): the generic rows
+]
+
+
+def two_tap_layout_matches_generic_rows(before, two, after, dtype):
+    """Columns split as in TWO_TAP_SPLITS, rows clamped at a document start, the alpha gradient from saved
+    slopes and from the backward's own dots: the vector rows' results are the generic rows'."""
+    q, k, v, dout = (x.to(dtype) for x in make(B=1, H=2, Hkv=1, T=120, Dh=32, seed=before + 7 * abs(two)))
+    kinds = [False] * before + ([True] * two if two > 0 else [True, False] * -two) + [False] * after
+    lo = tuple(range(before)) + tuple(before + 3 * j for j in range(len(kinds) - before))
+    frac = [0.25 + 0.5 * j / len(kinds) if t else 0.0 for j, t in enumerate(kinds)]
+    cols = Columns(lo, tuple(1 - f for f in frac), tuple(frac), tuple(kinds), tuple(int(t) for t in kinds), True)
+    off = offsets_unchecked(doc_ids(1, 120, (30, 1, 50)))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for c in (cols, dataclasses.replace(cols, interpolated=False)):     # False: no slopes saved
+        close(cpu_kernels(q, k, v, dout, c, "tiled", 2, off), cpu_kernels(q, k, v, dout, c, "rows", 2, off), **tol)
 
 
 def poison_scratch():

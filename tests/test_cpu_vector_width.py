@@ -13,7 +13,8 @@ import torch
 from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 
-from op_helpers import close, cpu_kernels, cpu_matches_reference, doc_ids, make, use_kernel_build
+from op_helpers import (TWO_TAP_SPLITS, close, cpu_kernels, cpu_matches_reference, doc_ids, make,
+                        two_tap_layout_matches_generic_rows, use_kernel_build)
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -69,6 +70,12 @@ def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_row
     close(one, cpu_kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
     wide = host_columns(ColumnSpec(tuple(range(0, 300))), None, 400)      # more columns than 16 vectors' lanes
     close(cpu_kernels(q, k, v, dout, wide, "tiled", 2), cpu_kernels(q, k, v, dout, wide, "rows", 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("before,two,after", TWO_TAP_SPLITS)
+def test_other_width_two_tap_layouts_match_the_generic_rows(width, before, two, after):
+    """The dot lanes' layout (test_ops_cpu_tiled.py) with the other width's groups and last groups."""
+    two_tap_layout_matches_generic_rows(before, two, after, torch.float32)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("gcc") is None,

@@ -14,11 +14,12 @@ import torch
 import fibattn
 from fibattn.checks import UsageError
 from fibattn.ops import cpu_backend
-from fibattn.ops.columns import Columns, ColumnSpec, host_columns
+from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
-from op_helpers import CPU_TOL as TOL, close, cpu_kernels, cpu_matches_reference, doc_ids, make, poison_scratch, run
+from op_helpers import (CPU_TOL as TOL, TWO_TAP_SPLITS, close, cpu_kernels, cpu_matches_reference, doc_ids, make,
+                        poison_scratch, run, two_tap_layout_matches_generic_rows)
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -176,29 +177,11 @@ def test_more_columns_than_lanes_run_the_generic_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("before,two,after", [
-    (13, 10, 0),     # the bench's columns: 33 dot lanes, a last group of one lane (AVX2)
-    (13, 4, 0),      # 17 lanes: one in the last group of 8, 8 + 1 of 16
-    (5, 4, 3),       # a run of two-tap columns with single-tap ones after it
-    (3, 9, 0),       # 21 lanes: a last group of 5 (of 8) and of 5 (of 16)
-    (9, 7, 1),       # 24 lanes: no partial group with 8 lanes
-    (2, 1, 0),       # one two-tap column
-    (4, -3, 2),      # two-tap columns apart (-3: every other one of 3): the generic rows
-])
+@pytest.mark.parametrize("before,two,after", TWO_TAP_SPLITS)
 def test_two_tap_layouts_match_the_generic_rows(before, two, after, dtype):
     """A row's dots fill its lanes densely: the columns' first taps, then the second taps of the two-tap
-    columns (one run), and only the used lanes of the last group are dotted (cpu_kernels.c, lanes_t).
-    Any split of single- and two-tap columns, with rows clamped at a document start, the alpha gradient
-    from saved slopes and from the backward's own dots: the same results as the generic rows."""
-    q, k, v, dout = (x.to(dtype) for x in make(B=1, H=2, Hkv=1, T=120, Dh=32, seed=before + 7 * abs(two)))
-    kinds = [False] * before + ([True] * two if two > 0 else [True, False] * -two) + [False] * after
-    lo = tuple(range(before)) + tuple(before + 3 * j for j in range(len(kinds) - before))
-    frac = [0.25 + 0.5 * j / len(kinds) if t else 0.0 for j, t in enumerate(kinds)]
-    cols = Columns(lo, tuple(1 - f for f in frac), tuple(frac), tuple(kinds), tuple(int(t) for t in kinds), True)
-    off = offsets_unchecked(doc_ids(1, 120, (30, 1, 50)))
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    for c in (cols, dataclasses.replace(cols, interpolated=False)):     # False: no slopes saved
-        close(cpu_kernels(q, k, v, dout, c, "tiled", 2, off), cpu_kernels(q, k, v, dout, c, "rows", 2, off), **tol)
+    columns (one run), and only the used lanes of the last group are dotted (cpu_kernels.c, lanes_t)."""
+    two_tap_layout_matches_generic_rows(before, two, after, dtype)
 
 
 def test_backward_scratch_is_reused_across_sizes():
