@@ -92,7 +92,7 @@ MUTATIONS = [
              "for (int l = 0; l < n; l++) {       /*", "for (int l = 0; l + 1 < n; l++) {       /*",
              ("tests/test_ops_cpu_tiled.py", "-k", "two_tap")),
     Mutation("c-lanes-second-taps-apart-taken", "kernel offsets", C,
-             "else if (two[c]) return;", "else if (0) return;", ("tests/test_ops_cpu_tiled.py", "-k", "two_tap")),
+             "if (c0 >= 0 && !two[c - 1]) return;", "if (0) return;", ("tests/test_ops_cpu_tiled.py", "-k", "two_tap")),
     Mutation("c-lanes-second-tap-lane-off-by-one", "kernel offsets", C,
              "L->hsh = c0 < 0 ? 0 : C1 - c0;", "L->hsh = c0 < 0 ? 0 : C1 - c0 + 1;",
              ("tests/test_ops_cpu_tiled.py", "-k", "two_tap")),

@@ -753,8 +753,10 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
     i64 off[FA_MAXG * FA_VL] = {0}, C1 = 0, c0 = -1, n2 = 0;
     while (C1 < C && lo[C1] < T) C1++;
     for (i64 c = 0; c < C1; c++)          /* the second taps' lanes need the two-tap columns in one run */
-        if (two[c] && (c0 < 0 ? (c0 = c, 1) : two[c - 1])) n2++;
-        else if (two[c]) return;          /* not so (host_columns never does this): the generic rows */
+        if (two[c]) {
+            if (c0 >= 0 && !two[c - 1]) return;   /* not so (host_columns never does this): the generic rows */
+            c0 = c0 < 0 ? c : c0, n2++;
+        }
     const int G1 = SFX(ngroups)(C1), Gd = SFX(ngroups)(C1 + n2);
     int G = G1;
     for (int g = 0; g < G1; g++) {
