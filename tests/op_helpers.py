@@ -162,16 +162,21 @@ TWO_TAP_SPLITS = [
 
 def two_tap_layout_matches_generic_rows(before, two, after, dtype):
     """Columns split as in TWO_TAP_SPLITS, rows clamped at a document start, the alpha gradient from saved
-    slopes and from the backward's own dots: the vector rows' results are the generic rows'."""
+    slopes and from the backward's own dots: the vector rows' results are the generic rows'. Then again
+    with every other two-tap column, the last one first, at frac 0 (an integer alpha * b): the vector rows'
+    weighted sums skip those second taps, the generic rows weigh them by 0."""
     q, k, v, dout = (x.to(dtype) for x in make(B=1, H=2, Hkv=1, T=120, Dh=32, seed=before + 7 * abs(two)))
     kinds = [False] * before + ([True] * two if two > 0 else [True, False] * -two) + [False] * after
     lo = tuple(range(before)) + tuple(before + 3 * j for j in range(len(kinds) - before))
     frac = [0.25 + 0.5 * j / len(kinds) if t else 0.0 for j, t in enumerate(kinds)]
-    cols = Columns(lo, tuple(1 - f for f in frac), tuple(frac), tuple(kinds), tuple(int(t) for t in kinds), True)
+    whole = [j for j, t in enumerate(kinds) if t][::-2]
     off = offsets_unchecked(doc_ids(1, 120, (30, 1, 50)))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    for c in (cols, dataclasses.replace(cols, interpolated=False)):     # False: no slopes saved
-        close(cpu_kernels(q, k, v, dout, c, "tiled", 2, off), cpu_kernels(q, k, v, dout, c, "rows", 2, off), **tol)
+    for fr in (frac, [0.0 if j in whole else f for j, f in enumerate(frac)]):
+        cols = Columns(lo, tuple(1 - f for f in fr), tuple(fr), tuple(kinds), tuple(int(t) for t in kinds), True)
+        for c in (cols, dataclasses.replace(cols, interpolated=False)):     # False: no slopes saved
+            close(cpu_kernels(q, k, v, dout, c, "tiled", 2, off), cpu_kernels(q, k, v, dout, c, "rows", 2, off),
+                  **tol)
 
 
 def poison_scratch():

@@ -43,6 +43,15 @@ def test_tiled_rows_match_reference(T, Dh, H, Hkv, W, docs, stream, monkeypatch)
     cpu_matches_reference(q, k, v, dout, W, 1.37, ids)
 
 
+@pytest.mark.parametrize("alpha", [1.5, 1.0])
+def test_rungs_at_whole_distances_match_reference(alpha):
+    """alpha * b a whole number (at 1.5 every even Fibonacci number, at 1.0 all of them): the rung's second
+    tap weighs 0, and the vector rows' weighted sums skip it; its dot still gives the alpha gradient's slope
+    (the right derivative there, as the reference's)."""
+    q, k, v, dout = make(B=1, H=4, Hkv=2, T=300, Dh=64, seed=5)
+    cpu_matches_reference(q, k, v, dout, 6, alpha, doc_ids(1, 300, (90, 1, 140)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("Dh", [32, 48, 64, 96, 128])
 def test_tiled_rows_match_reference_long_packed(Dh):

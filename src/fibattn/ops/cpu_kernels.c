@@ -730,14 +730,18 @@ typedef struct {
     int ok, G1, Gd, tail;        /* usable at all; groups of columns; groups of dots, the last's lanes */
     int hig[FA_MAXG];            /* where group g's second-tap coefficients go (cf + hig[g] * FA_VL), or -1 */
     i64 hsh;                     /* column c's second tap is dot lane c + hsh */
-    i64 C1, maxoff, n1;          /* columns that can be valid (lo < T), largest offset, their taps */
+    i64 C1, maxoff, n1;          /* columns that can be valid (lo < T), largest dot offset, their sums' taps */
     i64 nl;                      /* lane row offsets: Gd groups of dots, then per group with a hig, its columns'
                                   * second taps (offr + (Gd + hig[g] - G1) * FA_VL; bwd_vmid without slopes) */
     i64 offr[FA_MAXG * FA_VL];   /* each dot lane's row offset, lanes in dotv's order */
     i64 noff[FA_MAXG * FA_VL];   /* -offr * D: the element offsets of an unclamped row */
+    /* The weighted sums' taps (tapsums): the column set's taps but a second tap of weight 0 (frac = 0, an
+     * integer alpha * b), which adds nothing there (its dot stays: the alpha gradient's slope needs it) */
     i64 lane[2 * FA_MAXG * FA_VL];/* tap t's coefficient lane */
     i64 tnoff[2 * FA_MAXG * FA_VL];/* tap t's byte offset -off * D * sizeof(REAL) (tapsums: its query row) */
     i64 tpoff[2 * FA_MAXG * FA_VL];/* -tnoff: the reader row's, from the key row (bwd_ktile) */
+    i64 toff[2 * FA_MAXG * FA_VL], tcix[2 * FA_MAXG * FA_VL];   /* tap t's offset; off * C + col (bwd_ktile) */
+    REAL tw[2 * FA_MAXG * FA_VL];/* tap t's weight */
     i64 tend[FA_MAXG * FA_VL];   /* the taps of columns 0..c */
     int ident;                   /* tap t's coefficient is lane t (no two-tap column) */
     REAL wlo[FA_MAXG * FA_VL], whi[FA_MAXG * FA_VL], idx[FA_MAXG * FA_VL]; /* idx: the column, exact */
@@ -780,17 +784,19 @@ static void SFX(lanes_init)(SFX(lanes_t) *L, const SFX(taps_t) *tp, i64 C, i64 T
         for (int j = 0; j < FA_VL; j++) L->offr[g * FA_VL + j] = off[g * FA_VL + SFX(rev)[j]];
     L->nl = (i64)(Gd + G - G1) * FA_VL, L->Gd = Gd, L->tail = (int)(C1 + n2 - (Gd - 1) * FA_VL);
     for (i64 j = 0; j < L->nl; j++) L->noff[j] = -L->offr[j] * D;
-    L->n1 = tp->end[C1 - 1];
-    for (i64 t = 0; t < L->n1; t++) {
+    i64 n = 0;
+    for (i64 t = 0; t < tp->end[C1 - 1]; t++) {
         const i64 c = tp->col[t], g = c / FA_VL;
         const int hi = t > 0 && tp->col[t - 1] == c;
-        L->lane[t] = hi ? L->hig[g] * FA_VL + c % FA_VL : c;
-        L->tpoff[t] = tp->off[t] * D * (i64)sizeof(REAL), L->tnoff[t] = -L->tpoff[t];
+        if (hi && tp->w[t] == 0) continue;
+        L->lane[n] = hi ? L->hig[g] * FA_VL + c % FA_VL : c;
+        L->toff[n] = tp->off[t], L->tcix[n] = tp->off[t] * C + c, L->tw[n] = tp->w[t];
+        L->tpoff[n] = tp->off[t] * D * (i64)sizeof(REAL), L->tnoff[n] = -L->tpoff[n];
+        L->tend[c] = ++n;
     }
-    L->ident = 1;
+    L->n1 = n, L->ident = 1;
     for (i64 t = 0; t < L->n1; t++) L->ident &= L->lane[t] == t;
-    for (i64 c = 0; c < C1; c++) L->tend[c] = tp->end[c];
-    L->maxoff = tp->off[L->n1 - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
+    L->maxoff = tp->off[tp->end[C1 - 1] - 1], L->C1 = C1, L->G1 = G1, L->ok = 1;
 }
 
 /* tapsums' coefficient lanes of the taps: NULL (lane t) without two-tap columns. */
@@ -1153,15 +1159,15 @@ FA_INLINE void SFX(bwd_vblock)(const REAL *restrict qh, const REAL *restrict kb,
 /* Pass 2 over the key rows [m0, m1) of one head that no reader reaches through a clamp (nm[m - m0]
  * taps each: those whose reader row m + off exists; -1 marks a row left to bwd_col):
  * dk += sum_t w dS[m + off, col] q[m + off], dv += sum_t w P[m + off, col] dout[m + off].
- * A row at a time with all its taps (tapsums); cix[t] = off * C + col. The group's first query head
+ * A row at a time with all its sums' taps (tapsums; lanes_t's tcix, tw). The group's first query head
  * starts the sums (dk and dv need no zeroing first), its last may stream them out (tapsums). */
 FA_INLINE void SFX(bwd_ktile)(REAL *restrict dkb, REAL *restrict dvb, const REAL *restrict qh,
                               const REAL *restrict gh_, const REAL *restrict ph, const REAL *restrict dsh,
-                              const SFX(taps_t) *tp, const SFX(lanes_t) *L, const i64 *restrict cix, i64 m0,
-                              i64 m1, const i64 *restrict nm, i64 C, int first, int stream, const int NV) {
+                              const SFX(taps_t) *tp, const SFX(lanes_t) *L, i64 m0, i64 m1,
+                              const i64 *restrict nm, i64 C, int first, int stream, const int NV) {
     for (int side = 0; side < 2; side++)
-        SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, L->tpoff, cix,
-                     tp->one ? NULL : tp->w, first, stream, 0, m0, m1, nm, NULL, NV);
+        SFX(tapsums)(side ? dvb : dkb, side ? gh_ : qh, (side ? ph : dsh) + m0 * C, C, L->tpoff, L->tcix,
+                     tp->one ? NULL : L->tw, first, stream, 0, m0, m1, nm, NULL, NV);
 }
 
 FA_INLINE void SFX(bwd_row)(const REAL *restrict qi, const REAL *restrict kb, const REAL *restrict vb,
@@ -1225,7 +1231,7 @@ typedef struct {
     REAL *dS, *dq, *dk, *dv;
     double *parts;               /* d/d frac per (head group, block), or NULL */
     const int32_t *dpos;
-    const i64 *ends, *lo, *cix;  /* where each row's document ends (or NULL); tap t's index in P / dS */
+    const i64 *ends, *lo;        /* where each row's document ends (or NULL) */
     const int *two;
     const SFX(taps_t) *tp;
     const SFX(lanes_t) *L;
@@ -1278,7 +1284,7 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
     for (i64 m = i0; m < i1 && a->nvx; m++) {
         const i64 end = eb ? eb[m] : T;
         i64 n = a->L->n1;
-        while (n && m + tp->off[n - 1] >= end) n--;
+        while (n && m + a->L->toff[n - 1] >= end) n--;
         nm[m - i0] = (pb ? pb[m] != 0 : m != 0) ? n : -1;
     }
     for (i64 m = i0; m < i1; m++)              /* bwd_col adds to its rows; bwd_ktile starts its own */
@@ -1288,7 +1294,7 @@ static void SFX(bwd_pass2)(const SFX(bwd_t) *a, SFX(ws_t) *ws, i64 bh, i64 blk) 
         const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;
         const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh = a->dS + oc;
         FA_WITH_NV(a->nvx, if (NV) {
-            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->L, a->cix, i0, i1, nm, C, gh == 0,
+            SFX(bwd_ktile)(dkb, dvb, qh, gh_, ph, dsh, tp, a->L, i0, i1, nm, C, gh == 0,
                            a->stream_out && gh == g - 1, NV);
             for (i64 m = i0; m < i1; m++)
                 if (nm[m - i0] < 0)
@@ -1329,18 +1335,15 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
     i64 *ends = dpos ? fa_doc_ends(dpos, B, T) : NULL;  /* where each row's document ends */
     /* d/d frac per (head, block), summed in a fixed order afterwards: bit-identical for any thread count */
     double *parts = dfrac ? calloc(B * Hk * nb * C + 1, sizeof(double)) : NULL;
-    i64 *cix = malloc(sizeof(i64) * (3 * C + 1));        /* tap t's index in P / dS from its reader row */
-    if ((dpos && !ends) || (dfrac && !parts) || !cix || SFX(taps_init)(&tp, C, lo, wlo, whi, two))
-        return free(ends), free(parts), free(cix), 1;
-    i64 maxoff = 0;                                     /* the largest distance to a reader row that exists */
-    for (i64 t = 0; t < tp.n; t++) {
-        cix[t] = tp.off[t] * C + tp.col[t];
+    if ((dpos && !ends) || (dfrac && !parts) || SFX(taps_init)(&tp, C, lo, wlo, whi, two))
+        return free(ends), free(parts), 1;
+    i64 maxoff = 0;                  /* the largest distance to a reader row that exists (bwd_col reads every tap) */
+    for (i64 t = 0; t < tp.n; t++)
         if (tp.off[t] < T && tp.off[t] > maxoff) maxoff = tp.off[t];
-    }
     SFX(lanes_t) L;
     SFX(lanes_init)(&L, &tp, C, T, D, lo, wlo, whi, two);
     const int nvx = L.ok ? SFX(fixed_nv)(D, fast) : 0;    /* vector rows: dS is kept times scale (dk's factor) */
-    const SFX(bwd_t) a = {q, k, v, out, dout, P, G, whi, dS, dq, dk, dv, parts, dpos, ends, lo, cix, two, &tp, &L,
+    const SFX(bwd_t) a = {q, k, v, out, dout, P, G, whi, dS, dq, dk, dv, parts, dpos, ends, lo, two, &tp, &L,
                           PH, H, Hk, T, D, C, nb, scale, nvx,
                           stream_out && nvx && fa_aligned(dq) && fa_aligned(dk) && fa_aligned(dv)};
     /* pass 2 of a block reads the dS of the blocks up to lag further on, written by their pass 1 */
@@ -1382,7 +1385,7 @@ int SFX(fa_attn_bwd)(const REAL *q, const REAL *k, const REAL *v, const REAL *ou
         for (i64 j = 0; j < B * Hk * nb; j++)
             for (i64 c = 0; c < C; c++) dfrac[c] += parts[j * C + c];
     SFX(taps_free)(&tp);
-    free(ends), free(parts), free(cix), free(rs), free(done);
+    free(ends), free(parts), free(rs), free(done);
     return failed;
 }
 
