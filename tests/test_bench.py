@@ -325,3 +325,23 @@ def test_attention_documents_time_the_masked_ops_next_to_the_plain_ones(capsys, 
     assert rows == ["integer", "integer-docs", "interpolated", "interpolated-docs"]
     assert "document masking (4 documents per row), integer fwd+bwd at T=64" in out
     assert bp.document_ids(bp.BenchConfig(batch=2, documents=3), 7, "cpu").tolist() == [[0, 0, 0, 1, 1, 2, 2]] * 2
+
+
+def test_attention_times_the_pattern_asked_for(capsys, one_thread):
+    """--window, --fib-k and --alpha set the pattern both fused ops attend (the header names it)."""
+    assert cli_main(["bench", "attention", "--lengths", "64", "--repeats", "1", "--no-memory", "--paths",
+                     "integer,interpolated", "--heads", "2", "--head-dim", "16", "--window", "4", "--fib-k", "8",
+                     "--alpha", "1.37"]) == 0
+    out = capsys.readouterr().out
+    assert "W=4 fib K=8 alpha=1.37" in out.splitlines()[0]
+    assert [line.split()[2] for line in out.splitlines() if line.strip().startswith("64 ")] == ["integer",
+                                                                                                "interpolated"]
+
+
+@pytest.mark.parametrize("argv, flag", [(["--alpha", "0"], "--alpha"), (["--alpha", "inf"], "--alpha"),
+                                        (["--window", "-1"], "--window"), (["--fib-k", "0"], "--fib-k"),
+                                        (["--fib-k", "65"], "--fib-k")])
+def test_attention_refuses_a_bad_pattern(argv, flag, capsys):
+    assert cli_main(["bench", "attention", "--lengths", "64", "--no-memory", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0]
