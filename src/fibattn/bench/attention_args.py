@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from ..checks import UsageError, check_int, check_positive, parse_int_list
+from ..checks import check_int, check_positive, parse_int_list
 from ..validation import ConfigError, check_sizes_fit
 from .attention_paths import _DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, BenchConfig, check_documents
 
@@ -111,12 +111,9 @@ def config_from_args(args) -> BenchConfig:
 
 
 def _pattern(args) -> dict:
-    """``window``, ``fib_k`` and ``alpha`` of the attended pattern, checked."""
-    try:
-        out = {"window": check_int("--window", args.window, 0), "fib_k": check_int("--fib-k", args.fib_k, 1),
-               "alpha": check_positive("--alpha", args.alpha)}
-    except UsageError as exc:
-        raise ConfigError(str(exc)) from None
+    """``window``, ``fib_k`` and ``alpha`` of the attended pattern, checked (a UsageError names the flag)."""
+    out = {"window": check_int("--window", args.window, 0), "fib_k": check_int("--fib-k", args.fib_k, 1),
+           "alpha": check_positive("--alpha", args.alpha)}
     if out["fib_k"] > MAX_FIB_K:
         raise ConfigError(f"--fib-k must be an integer from 1 to {MAX_FIB_K}, got {args.fib_k}")
     return out
