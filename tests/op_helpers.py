@@ -2,6 +2,7 @@
 
 Layout: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``.
 """
+import contextlib
 import dataclasses
 
 import torch
@@ -134,18 +135,29 @@ def cpu_matches_reference(q, k, v, dout, W, alpha, docs):
     torch.testing.assert_close(got[4].double(), want[4], rtol=1e-4, atol=1e-4 * max(want[4].abs().item(), 1.0))
 
 
+@contextlib.contextmanager
+def cpu_rows(kind):
+    """The cpu kernel set's rows inside the block: ``"vector"`` (its own choice by head size) or
+    ``"generic"`` on every head size (the backend's test hook); restored afterwards."""
+    assert kind in ("vector", "generic"), kind
+    before, cpu_backend._generic_rows = cpu_backend._generic_rows, kind == "generic"
+    try:
+        yield
+    finally:
+        cpu_backend._generic_rows = before
+
+
 def cpu_kernels(q, k, v, dout, cols, kind, threads, off=None):
     """The cpu kernel set's ``(out, dq, dk, dv, dfrac)`` over ``cols`` (scale 0.3), with its rows of
-    ``kind`` (tiled or rows) on ``threads`` threads; both settings are restored afterwards."""
-    before, nt = cpu_backend.kernel, torch.get_num_threads()
-    cpu_backend.kernel = kind
+    ``kind`` (:func:`cpu_rows`) on ``threads`` threads; both settings are restored afterwards."""
+    nt = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
-        return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True, off=off))
+        with cpu_rows(kind):
+            out, P = cpu_backend.attn_forward(q, k, v, cols, 0.3, off=off)
+            return (out, *cpu_backend.attn_backward(q, k, v, out, P, dout, cols, 0.3, need_dfrac=True, off=off))
     finally:
         torch.set_num_threads(nt)
-        cpu_backend.kernel = before
 
 
 # (single-tap columns, two-tap columns after them, single-tap ones after those) for the cpu kernels' dot lanes
@@ -175,7 +187,7 @@ def two_tap_layout_matches_generic_rows(before, two, after, dtype):
     for fr in (frac, [0.0 if j in whole else f for j, f in enumerate(frac)]):
         cols = Columns(lo, tuple(1 - f for f in fr), tuple(fr), tuple(kinds), tuple(int(t) for t in kinds), True)
         for c in (cols, dataclasses.replace(cols, interpolated=False)):     # False: no slopes saved
-            close(cpu_kernels(q, k, v, dout, c, "tiled", 2, off), cpu_kernels(q, k, v, dout, c, "rows", 2, off),
+            close(cpu_kernels(q, k, v, dout, c, "vector", 2, off), cpu_kernels(q, k, v, dout, c, "generic", 2, off),
                   **tol)
 
 

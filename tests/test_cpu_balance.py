@@ -34,7 +34,7 @@ def _results():
         off = None if docs is None else offsets_unchecked(doc_ids(B, T, docs))
         for spec in COLUMNS:
             cols = host_columns(spec, 1.37 if spec.interpolated else None, T)
-            for kind in ("tiled", "rows"):
+            for kind in ("vector", "generic"):
                 for threads in (2, 3):
                     cpu_kernels(q, k, v, dout, cols, kind, threads, off)     # sizes the dS scratch
                     poison_scratch()

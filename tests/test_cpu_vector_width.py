@@ -64,12 +64,13 @@ def test_other_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, str
 def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_rows(width):
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=64, seed=11)
     cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
-    one = cpu_kernels(q, k, v, dout, cols, "tiled", 1)
-    for a, b in zip(one, cpu_kernels(q, k, v, dout, cols, "tiled", 3)):
+    one = cpu_kernels(q, k, v, dout, cols, "vector", 1)
+    for a, b in zip(one, cpu_kernels(q, k, v, dout, cols, "vector", 3)):
         assert torch.equal(a, b)
-    close(one, cpu_kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
+    close(one, cpu_kernels(q, k, v, dout, cols, "generic", 2), rtol=1e-5, atol=1e-5)
     wide = host_columns(ColumnSpec(tuple(range(0, 300))), None, 400)      # more columns than 16 vectors' lanes
-    close(cpu_kernels(q, k, v, dout, wide, "tiled", 2), cpu_kernels(q, k, v, dout, wide, "rows", 2), rtol=1e-6, atol=1e-6)
+    close(cpu_kernels(q, k, v, dout, wide, "vector", 2), cpu_kernels(q, k, v, dout, wide, "generic", 2),
+          rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("before,two,after", TWO_TAP_SPLITS)

@@ -34,14 +34,13 @@ def test_quick_check_runs_on_cpu(tmp_path):
     assert summary["goals"]["interpolated/integer (worst length)"]["measured"] > 0
     assert summary["goals"]["dense/integer fwd+bwd at 65536"]["goal"] == ">= 60.0"
     cpu, ratios = summary["cpu"], summary["ratios"]
-    assert {x["path"] for x in cpu["records"]} == {"integer", "interpolated", "integer-rows", "interpolated-rows"}
+    assert {x["path"] for x in cpu["records"]} == {"integer", "interpolated"}
     assert [(c["T"], c["op"]) for c in cpu["kernel_checks"]] == [(256, "integer"), (256, "interpolated")]
     assert "avx512f" in cpu and cpu["cores"] >= 1
     if platform.machine() == "x86_64" and shutil.which("objdump"):          # the compiled code's figures beside them
         assert cpu["static"]["forward"]["all"]["fmas"] > 0
-    for key in ("cpu integer: generic rows / vector rows fwd+bwd", "cpu interpolated/integer fwd+bwd",
-                "cpu integer share of the matmul peak", "cpu integer kernels alone: generic rows / vector rows",
+    for key in ("cpu interpolated/integer fwd+bwd", "cpu integer share of the matmul peak",
                 "cpu interpolated kernels alone: far columns' cost", "cpu integer kernels alone: Hkv 2 / Hkv = H"):
         assert ratios[f"{key} at 256"] > 0, key
-    assert summary["goals"]["cpu integer: generic rows / vector rows fwd+bwd at 4096"]["goal"] == ">= 2.0"
+    assert summary["goals"]["cpu integer share of the matmul peak at 4096"]["goal"] == ">= 0.3"
     assert summary["goals"]["cpu interpolated/integer fwd+bwd at 16384"]["goal"] == "<= 1.4"

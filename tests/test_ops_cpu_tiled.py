@@ -18,8 +18,8 @@ from fibattn.ops.columns import ColumnSpec, host_columns
 from fibattn.ops.documents import offsets_unchecked
 from fibattn.schedules import attended_distances
 
-from op_helpers import (CPU_TOL as TOL, TWO_TAP_SPLITS, close, cpu_kernels, cpu_matches_reference, doc_ids, make,
-                        poison_scratch, run, two_tap_layout_matches_generic_rows)
+from op_helpers import (CPU_TOL as TOL, TWO_TAP_SPLITS, close, cpu_kernels, cpu_matches_reference, cpu_rows, doc_ids,
+                        make, poison_scratch, run, two_tap_layout_matches_generic_rows)
 
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
@@ -59,7 +59,7 @@ def test_tiled_rows_match_reference_long_packed(Dh):
     cpu_matches_reference(q, k, v, dout, 12, 1.41, doc_ids(1, 1500, (700, 1, 300, 2)))
 
 
-@pytest.mark.parametrize("kind", ["tiled", "rows"])
+@pytest.mark.parametrize("kind", ["vector", "generic"])
 def test_alpha_gradient_is_bit_identical_for_any_thread_count(kind):
     """Per-(head, block) partial sums added in a fixed order (not OpenMP's reduction order)."""
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=32, seed=11)
@@ -71,7 +71,7 @@ def test_alpha_gradient_is_bit_identical_for_any_thread_count(kind):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["tiled", "rows"])
+@pytest.mark.parametrize("kind", ["vector", "generic"])
 def test_both_backward_schedules_give_the_same_bits(kind):
     """With at least as many head groups as threads, a thread runs pass 2 of a block right after pass 1
     of the blocks that read it (cpu_kernels.c, fa_attn_bwd); otherwise pass 1 runs everywhere first.
@@ -99,7 +99,7 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     q, k, v, dout = (x.to(dtype) for x in make(B=2, H=4, Hkv=2, T=333, Dh=32, seed=13))
     cols = host_columns(ColumnSpec(None, 5, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144), None), 1.29, 333)
     off = offsets_unchecked(torch.cat([doc_ids(1, 333, (70, 1, 190)), doc_ids(1, 333, (333,))]))
-    for kind in ("rows", "tiled"):
+    for kind in ("generic", "vector"):
         for threads, docs in ((1, off), (5, off), (2, None)):         # streamed and two-pass schedules
             monkeypatch.setattr(cpu_backend, "stream_min_bytes", 1 << 62)
             plain = cpu_kernels(q, k, v, dout, cols, kind, threads, docs)
@@ -122,12 +122,12 @@ def test_streaming_stores_give_the_same_bits(dtype, monkeypatch):
     assert cpu_backend._stream_out(torch.empty(l2 * torch.get_num_threads(), dtype=torch.uint8)).value == 1
 
 
-@pytest.mark.parametrize("kind", ["tiled", "rows"])
+@pytest.mark.parametrize("kind", ["vector", "generic"])
 def test_a_forward_without_backward_saves_no_state(kind, monkeypatch):
     """Under no_grad (eval, generation) the public op asks for no saved state: the kernels skip P and
     the slopes, and out is the same bits as a forward that saves them (integer and interpolated
     columns, documents, grouped heads)."""
-    monkeypatch.setattr(cpu_backend, "kernel", kind)
+    monkeypatch.setattr(cpu_backend, "_generic_rows", kind == "generic")
     q, k, v, _ = make(B=2, H=4, Hkv=2, T=150, Dh=32, seed=14)
     ids = doc_ids(2, 150, (60, 1, 40))
     off = offsets_unchecked(ids)
@@ -150,13 +150,15 @@ def test_a_forward_without_backward_saves_no_state(kind, monkeypatch):
                                                                    backend="cpu").detach())
 
 
-def test_generic_rows_agree_with_tiled_rows_and_bad_kernel_name_refused(monkeypatch):
+def test_generic_rows_agree_with_vector_rows_and_the_old_switch_is_named(monkeypatch, caplog):
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=2)
     cols = host_columns(ColumnSpec(None, 12, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89), None), 1.5, 150)
-    close(cpu_kernels(q, k, v, dout, cols, "tiled", 2), cpu_kernels(q, k, v, dout, cols, "rows", 2), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(cpu_backend, "kernel", "fast")
-    with pytest.raises(UsageError, match="FIBATTN_CPU_KERNEL must be one of tiled, rows, got 'fast'"):
-        cpu_backend.attn_forward(q, k, v, cols, 0.3)
+    close(cpu_kernels(q, k, v, dout, cols, "vector", 2), cpu_kernels(q, k, v, dout, cols, "generic", 2),
+          rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("FIBATTN_CPU_KERNEL", "rows")       # no longer a choice: a warning, not silence
+    with caplog.at_level("WARNING", logger="fibattn"):
+        assert cpu_backend._load().lib is not None
+    assert "FIBATTN_CPU_KERNEL is no longer read" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -181,7 +183,7 @@ def test_more_columns_than_lanes_run_the_generic_rows(dtype):
     wide = host_columns(ColumnSpec(tuple(range(0, 260))), None, 300)       # 260 columns > 16 * 8 lanes
     rungs = host_columns(ColumnSpec(None, 40, tuple(range(1, 120)), None), 1.7, 300)   # two taps each
     for cols in (wide, rungs):
-        close(cpu_kernels(q, k, v, dout, cols, "tiled", 2), cpu_kernels(q, k, v, dout, cols, "rows", 2),
+        close(cpu_kernels(q, k, v, dout, cols, "vector", 2), cpu_kernels(q, k, v, dout, cols, "generic", 2),
               rtol=1e-6, atol=1e-6)
 
 
@@ -201,8 +203,8 @@ def test_backward_scratch_is_reused_across_sizes():
     for T in (64, 17, 40):
         q, k, v, dout = make(B=1, H=2, Hkv=2, T=T, Dh=16, seed=T)
         c = host_columns(ColumnSpec((0, 1, 2, 3, 5, 8)), None, T) if T != 64 else cols
-        got = cpu_kernels(q, k, v, dout, c, "tiled", 1)
-        want = cpu_kernels(q.double(), k.double(), v.double(), dout.double(), c, "rows", 1)
+        got = cpu_kernels(q, k, v, dout, c, "vector", 1)
+        want = cpu_kernels(q.double(), k.double(), v.double(), dout.double(), c, "generic", 1)
         close([g.double() for g in got[:4]], want[:4], **TOL)
     bufs = cpu_backend._scratch.bufs
     assert bufs[torch.float32].numel() == 2 * 64 * 6     # (B, H, T, C) of the largest call
@@ -210,14 +212,10 @@ def test_backward_scratch_is_reused_across_sizes():
 
 def _mixed(q, k, v, dout, cols, fwd_kind, bwd_kind):
     """Forward with one kind of rows, backward with the other (the slopes saved by either serve both)."""
-    before = cpu_backend.kernel
-    try:
-        cpu_backend.kernel = fwd_kind
+    with cpu_rows(fwd_kind):
         out, aux = cpu_backend.attn_forward(q, k, v, cols, 0.3)
-        cpu_backend.kernel = bwd_kind
+    with cpu_rows(bwd_kind):
         return (out, *cpu_backend.attn_backward(q, k, v, out, aux, dout, cols, 0.3, need_dfrac=True))
-    finally:
-        cpu_backend.kernel = before
 
 
 def test_interpolated_saved_state_holds_the_score_slopes():
@@ -230,11 +228,11 @@ def test_interpolated_saved_state_holds_the_score_slopes():
     assert aux.shape == cpu_backend.aux_like(q, spec).shape == (1, 2, 360, len(cols.lo))
     exact = host_columns(ColumnSpec((0, 1, 2, 7)), None, 180)
     assert cpu_backend.attn_forward(q, k, v, exact, 0.3)[1].shape == (1, 2, 180, 4)
-    want = _mixed(q, k, v, dout, cols, "tiled", "tiled")
-    for kinds in (("rows", "tiled"), ("tiled", "rows")):
+    want = _mixed(q, k, v, dout, cols, "vector", "vector")
+    for kinds in (("generic", "vector"), ("vector", "generic")):
         close(_mixed(q, k, v, dout, cols, *kinds), want, rtol=1e-5, atol=1e-5)
     unsaved = dataclasses.replace(cols, interpolated=False)      # no slopes saved: the backward's own dots
-    close(_mixed(q, k, v, dout, unsaved, "tiled", "tiled"), want, rtol=1e-5, atol=1e-5)
+    close(_mixed(q, k, v, dout, unsaved, "vector", "vector"), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(UsageError, match=r"the saved state must have shape \(1, 2, 180, 16\) or \(1, 2, 360, 16\)"):
         cpu_backend.attn_backward(q, k, v, out, aux[:, :, :179], dout, cols, 0.3)
 

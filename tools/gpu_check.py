@@ -15,8 +15,8 @@ remaining steps are skipped and say so):
 5. ``fibattn bench generate --device cuda --shapes paper --json``;
 6. issue 29's CPU goals on this machine's own CPU (a GPU host's is likely to have AVX-512, the
    cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
-   attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K), the vector rows
-   against the generic rows, the share of the matmul peak, interpolated ÷ integer;
+   attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K): the share of the
+   matmul peak, interpolated ÷ integer, grouped heads;
 7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` at T=16384;
 8. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
    next to the measured forward + backward times, as measured ÷ estimated per length.
@@ -50,7 +50,6 @@ GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B
 MAX_GOALS = {"interpolated/integer (worst length)": 1.5}
 CPU_LENGTHS = (4096, 16384)      # issue 29: fp32, B=1, H=Hkv=8, Dh=64, 2 threads, on the host's CPU
 for _T in CPU_LENGTHS:
-    GOALS[f"cpu integer: generic rows / vector rows fwd+bwd at {_T}"] = 2.0
     GOALS[f"cpu integer share of the matmul peak at {_T}"] = 0.30
     MAX_GOALS[f"cpu interpolated/integer fwd+bwd at {_T}"] = 1.4
 
@@ -252,10 +251,10 @@ def cpu_flags() -> dict:
 def cpu(r: Runner, summary: dict) -> None:
     """Issue 29's goals measured on this machine's CPU, on 2 threads as they were set."""
     sys.path.insert(0, str(ROOT / "src"))
-    from fibattn.bench.attention_flops import round_ratio        # the bench's own rows / vector rows ratio
+    from fibattn.bench.attention_flops import round_ratio        # the bench's own ratio of two paths
     lengths = "256" if r.quick else ",".join(map(str, CPU_LENGTHS))
     args = ["bench", "attention", "--device", "cpu", "--json", "--no-memory", "--repeats", "1" if r.quick else "5",
-            "--paths", "integer,interpolated,integer-rows,interpolated-rows", "--lengths", lengths]
+            "--paths", "integer,interpolated", "--lengths", lengths]
     recs = _json_lines(r.run("bench_cpu", _fibattn(*args), 180, {"OMP_NUM_THREADS": "2"}))
     rows = {(x["T"], x["path"]): x for x in recs if "path" in x and x.get("ms")}
     checks = [x for x in recs if x.get("check") == "cpu_kernels"]
@@ -267,17 +266,12 @@ def cpu(r: Runner, summary: dict) -> None:
         summary["cpu"]["static"] = json.loads(path.read_text())["targets"]["native"]
     ratios = summary.setdefault("ratios", {})
     for (T, path), x in rows.items():
-        if path in ("integer", "interpolated") and (T, f"{path}-rows") in rows:
-            ratios[f"cpu {path}: generic rows / vector rows fwd+bwd at {T}"] = round_ratio(
-                SimpleNamespace(**rows[T, f"{path}-rows"]), SimpleNamespace(**x))
         if path == "interpolated" and (T, "integer") in rows:
             ratios[f"cpu interpolated/integer fwd+bwd at {T}"] = round_ratio(
                 SimpleNamespace(**x), SimpleNamespace(**rows[T, "integer"]))
     for c in checks:
         if c["op"] == "integer" and c.get("peak_gflop_s"):
             ratios[f"cpu integer share of the matmul peak at {c['T']}"] = c["op_gflop_s"] / c["peak_gflop_s"]
-        if c.get("rows_ratio"):
-            ratios[f"cpu {c['op']} kernels alone: generic rows / vector rows at {c['T']}"] = c["rows_ratio"]
         if c.get("far_cost"):      # what the far columns' rows cost this CPU's caches (bench attention_flops)
             ratios[f"cpu {c['op']} kernels alone: far columns' cost at {c['T']}"] = c["far_cost"]
         if c.get("grouped_ratio"):  # issue 29: grouped heads as fast per query head as one KV head per query head

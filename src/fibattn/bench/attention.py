@@ -21,9 +21,9 @@ Dh=64, float32; on CUDA B=4, H=8, Hkv=2, Dh=64, bfloat16 (the GPU goals' setting
 - ``interpolated``: :func:`fibattn.interpolated_sparse_attention` with a learnable ``alpha``;
 - ``integer-docs``, ``interpolated-docs`` (with ``--documents N``, next to their plain op): the
   same with ``N`` packed documents of equal length per row (document masking), and a line
-  giving their cost over the plain op;
-- ``integer-rows``, ``interpolated-rows`` (CPU): the same on the cpu kernels' generic rows (the kernel before
-  issue 29), for comparison. Achieved GFLOP/s against a fp32 matmul peak: ``bench.attention_flops``.
+  giving their cost over the plain op.
+
+Achieved GFLOP/s against a fp32 matmul peak: ``bench.attention_flops``.
 
 After the table, one line per op gives its per-call host overhead (:func:`host_overhead`, ~0.5 s
 each): the public op on the ``cpu`` backend at T=16, forward+backward, against its kernels
@@ -58,7 +58,7 @@ from ..ops import backend_available
 from .attention_args import config_from_args, configure_parser
 from .attention_flops import (flop_lines, gflop_rate, kernel_checks, kernel_lines, matmul_peak, peak_line,
                               round_ratios, spread)
-from .attention_paths import (DOC_PATHS, PATHS, ROWS_PATHS, BenchConfig, _inputs, backend_name, document_lines,
+from .attention_paths import (DOC_PATHS, PATHS, BenchConfig, _inputs, backend_name, document_lines,
                               make_step, mask_bytes, pick_sdpa, sdpa_label, traffic_bytes)
 from .host_overhead import HostOverhead, host_overhead
 
@@ -172,8 +172,6 @@ def _skip_reason(cfg: BenchConfig, path: str, T: int) -> str | None:
                 f"> --mask-budget-gb {cfg.mask_budget_gb:g}")
     if path in ("flex", "torch") and not cfg.on_cuda:
         return f"the {path} path is measured on CUDA only"
-    if path in ROWS_PATHS and cfg.on_cuda:
-        return f"the {path} path times the cpu kernels, on CPU only"
     return None
 
 

@@ -1,7 +1,7 @@
 """Achieved GFLOP/s of the fused ops in ``fibattn bench attention`` against the machine's fp32
-matmul rate (issue 29), the old-vs-new CPU kernel comparison, and the CPU kernels alone (outputs
-written into tensors allocated once), the public op and ``torch.mm`` timed in the same
-interleaved rounds: the share of the matmul rate from times taken under the same load.
+matmul rate (issue 29), and the CPU kernels alone (outputs written into tensors allocated once),
+the public op and ``torch.mm`` timed in the same interleaved rounds: the share of the matmul rate
+from times taken under the same load.
 
 Work counted: 12 * Dh flops per query, head and attended column for forward+backward (4 * Dh
 forward: q.k and p.v; backward adds dout.v, dq, dk and dv), a column attended by the rows that
@@ -23,7 +23,7 @@ from ..ops.columns import ColumnSpec, host_columns
 from ..ops.host_pages import huge_empty
 from ..schedules import as_base, attended_distances, interpolation_plan
 
-FLOP_PATHS = ("integer", "interpolated", "integer-docs", "interpolated-docs", "integer-rows", "interpolated-rows")
+FLOP_PATHS = ("integer", "interpolated", "integer-docs", "interpolated-docs")
 
 
 MM_N = 2048                # the torch.mm shape of the run's peak, also timed between the op's rounds
@@ -90,7 +90,7 @@ def spread(ratios) -> str:
 
 
 def flop_lines(records, peak: float | None) -> list[str]:
-    """Per (length, mode): each fused path's GFLOP/s and share of ``peak``, and tiled vs rows kernels."""
+    """Per (length, mode): each fused path's GFLOP/s and share of ``peak``."""
     lines = []
     for T, mode in sorted({(r.T, r.mode) for r in records}):
         by = {r.path: r for r in records if r.T == T and r.mode == mode and getattr(r, "gflop_s", None)}
@@ -99,13 +99,6 @@ def flop_lines(records, peak: float | None) -> list[str]:
         parts = [f"{p} {r.gflop_s:.1f} GFLOP/s" + (f" ({r.gflop_s / peak:.0%} of peak)" if peak else "")
                  for p, r in by.items()]
         lines.append(f"T={T} {mode}: " + ", ".join(parts))
-        for op in ("integer", "interpolated"):
-            if op in by and f"{op}-rows" in by:
-                rows, tiled = by[f"{op}-rows"], by[op]
-                ratios = round_ratios(rows, tiled)
-                lines.append(f"T={T} {mode}: {op}, generic rows kernel / tiled kernel = "
-                             f"{statistics.median(ratios):.2f}x (median of the rounds' ratios{spread(ratios)}; "
-                             f"medians {rows.ms:.1f} vs {tiled.ms:.1f} ms)")
     return lines
 
 
@@ -114,10 +107,8 @@ class KernelTimes:
     op_ms: float             # the public op, fastest round
     kernels_ms: float        # its cpu kernels alone, fastest round
     mm_gflop_s: float        # torch.mm in the same rounds
-    rows_ratio: float | None  # the generic rows' kernels alone over the kernels alone: median of the rounds' ratios
     far_cost: float           # the kernels alone over the same on packed columns: median of the rounds' ratios
-    rows_range: tuple | None = None   # the rounds' lowest and highest of those ratios (None: one round)
-    far_range: tuple | None = None
+    far_range: tuple | None = None    # the rounds' lowest and highest of those ratios (None: one round)
     grouped_kv_heads: int | None = None   # grouped_kv_heads(cfg), or None: no grouped-heads check
     grouped_ratio: float | None = None    # the kernels alone on those KV heads over on H: median of the rounds
     grouped_range: tuple | None = None
@@ -145,17 +136,15 @@ def grouped_kv_heads(cfg) -> int | None:
     return 2 if cfg.kv_heads == cfg.heads and cfg.heads > 2 and cfg.heads % 2 == 0 else None
 
 
-def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> KernelTimes:
+def kernel_ms(cfg, path: str, T: int, rounds: int) -> KernelTimes:
     """Fastest of ``rounds`` forward+backward calls, interleaved round by round, of the public op
     (``integer`` or ``interpolated``, the bench's shapes, autograd), of its cpu kernels alone
     (every output and the scratch allocated once beforehand) and of ``torch.mm`` (``MM_N``
-    square); ``rows``: also the generic rows' kernels alone (issue 29's baseline), kernel against
-    kernel, without the public op's fixed cost that both pay; the kernels alone on
-    :func:`packed_columns`, the far columns' cost; and (:func:`grouped_kv_heads`) the kernels alone on
-    k and v of fewer heads for the same queries. The matmul rate comes from the same minutes as the
-    op's times, where the run's peak (``matmul_peak``) is taken once at its start, and this machine's
-    speed drifts by ±20 % over minutes."""
-    from .attention_paths import _distances, _inputs, _with_cpu_kernel, make_step
+    square); the kernels alone on :func:`packed_columns`, the far columns' cost; and
+    (:func:`grouped_kv_heads`) the kernels alone on k and v of fewer heads for the same queries. The
+    matmul rate comes from the same minutes as the op's times, where the run's peak (``matmul_peak``)
+    is taken once at its start, and this machine's speed drifts by ±20 % over minutes."""
+    from .attention_paths import _distances, _inputs, make_step
 
     leaves, dout = _inputs(cfg, T)
     q, k, v = (x.detach() for x in leaves)
@@ -175,8 +164,6 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
 
     steps = {"op": make_step(cfg, path, T, (leaves, dout)), "kernels": kernels, "mm": lambda: torch.mm(a, b),
              "packed": lambda: kernels(near)}
-    if rows:
-        steps["rows"] = _with_cpu_kernel("rows", kernels)
     hkv = grouped_kv_heads(cfg)
     if hkv:
         (_, kg, vg), _ = _inputs(dataclasses.replace(cfg, kv_heads=hkv), T)
@@ -197,27 +184,25 @@ def kernel_ms(cfg, path: str, T: int, rounds: int, rows: bool = False) -> Kernel
         ratios = [x / y for x, y in zip(times[a], times[b])]
         return statistics.median(ratios), ratio_range(ratios)
 
-    (rows_ratio, rows_range), (far, far_range) = over("rows"), over("kernels", "packed")
     return KernelTimes(min(times["op"]) * 1e3, min(times["kernels"]) * 1e3, 2 * MM_N ** 3 / min(times["mm"]) / 1e9,
-                       rows_ratio, far, rows_range, far_range, hkv, *over("grouped"))
+                       *over("kernels", "packed"), hkv, *over("grouped"))
 
 
 def kernel_checks(cfg, peak: float | None) -> list[dict]:
-    """Per forward+backward length on CPU and fused op: its public call and its kernels alone (and,
-    with its ``-rows`` path, the generic rows' kernels alone), against the run's matmul peak and a
-    ``torch.mm`` rate measured in the same rounds: one ``cpu_kernels`` record each."""
+    """Per forward+backward length on CPU and fused op: its public call and its kernels alone, against
+    the run's matmul peak and a ``torch.mm`` rate measured in the same rounds: one ``cpu_kernels``
+    record each."""
     ops = [p for p in ("integer", "interpolated") if p in cfg.paths]
     if cfg.on_cuda or not ops or cpu_backend.unavailable("cpu") is not None:
         return []
     checks = []
     for T in cfg.lengths:
         for op in ops:
-            kt = kernel_ms(cfg, op, T, cfg.repeats, rows=f"{op}-rows" in cfg.paths)
+            kt = kernel_ms(cfg, op, T, cfg.repeats)
             checks.append({"check": "cpu_kernels", "T": T, "op": op, "op_ms": kt.op_ms, "kernels_ms": kt.kernels_ms,
                            "op_gflop_s": gflop_rate(cfg, op, T, kt.op_ms),
                            "kernels_gflop_s": gflop_rate(cfg, op, T, kt.kernels_ms), "mm_gflop_s": kt.mm_gflop_s,
-                           "peak_gflop_s": peak, "rows_ratio": kt.rows_ratio, "far_cost": kt.far_cost,
-                           "rows_ratio_range": kt.rows_range, "far_cost_range": kt.far_range,
+                           "peak_gflop_s": peak, "far_cost": kt.far_cost, "far_cost_range": kt.far_range,
                            "grouped_kv_heads": kt.grouped_kv_heads, "grouped_ratio": kt.grouped_ratio,
                            "grouped_ratio_range": kt.grouped_range,
                            "rounds": cfg.repeats,
@@ -231,13 +216,11 @@ def kernel_lines(checks: list[dict]) -> list[str]:
     for T in dict.fromkeys(c["T"] for c in checks):
         parts = []
         for c in [x for x in checks if x["T"] == T]:
-            mm, peak, rate, ratio = c["mm_gflop_s"], c["peak_gflop_s"], c["kernels_gflop_s"], c["rows_ratio"]
+            mm, peak, rate = c["mm_gflop_s"], c["peak_gflop_s"], c["kernels_gflop_s"]
             op_rate = c["op_gflop_s"]
             parts.append(f"{c['op']} {c['op_ms']:.1f} ms = {op_rate:.1f} GFLOP/s ({op_rate / mm:.0%} of torch.mm), "
                          f"kernels alone {c['kernels_ms']:.1f} ms = {rate:.1f} GFLOP/s ({rate / mm:.0%} of torch.mm"
                          + (f", {rate / peak:.0%} of peak)" if peak else ")") + f", torch.mm {mm:.1f} GFLOP/s"
-                         + (f", generic rows kernels alone / kernels alone = {ratio:.2f}x (median of the rounds' "
-                            f"ratios{spread(c['rows_ratio_range'])})" if ratio else "")
                          + f", far columns' cost {c['far_cost']:.2f}x (kernels alone over the same on the columns "
                          f"packed next to the diagonal, median of the rounds' ratios{spread(c['far_cost_range'])})"
                          + (f", grouped heads {c['grouped_ratio']:.2f}x (kernels alone with {c['grouped_kv_heads']} "

@@ -17,9 +17,7 @@ from ..checks import UsageError
 from ..ops import resolve_backend
 from ..schedules import attended_distances
 
-PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated", "integer-docs", "interpolated-docs",
-         "integer-rows", "interpolated-rows")
-ROWS_PATHS = ("integer-rows", "interpolated-rows")     # the cpu kernels' generic rows (issue 29's baseline)
+PATHS = ("dense", "mask", "flex", "torch", "integer", "interpolated", "integer-docs", "interpolated-docs")
 DOC_PATHS = {"integer": "integer-docs", "interpolated": "interpolated-docs"}   # with --documents N
 DEFAULT_PATHS = {"cpu": ("dense", "mask", "integer", "interpolated"), "cuda": PATHS}
 CUDA_LENGTHS = [1024, 4096, 16384, 65536]
@@ -155,14 +153,14 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool =
 
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    elif path in ("integer", "torch", "flex", "integer-docs", "integer-rows"):
+    elif path in ("integer", "torch", "flex", "integer-docs"):
         dists = _distances(cfg, T)
         backend = path if path in ("torch", "flex") else "auto"
         docs = document_ids(cfg, T, q.device) if path.endswith("-docs") else None
 
         def fwd():
             return fibattn.sparse_attention(q, k, v, dists, backend=backend, document_ids=docs)
-    elif path in ("interpolated", "interpolated-docs", "interpolated-rows"):
+    elif path in ("interpolated", "interpolated-docs"):
         alpha = torch.tensor(cfg.alpha, device=q.device, requires_grad=True)
         docs = document_ids(cfg, T, q.device) if path.endswith("-docs") else None
 
@@ -180,9 +178,6 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool =
             x.grad = None
         fwd().backward(dout)
 
-    if path in ROWS_PATHS:
-        return _with_cpu_kernel("rows", run)
-
     if path != "dense" or sdpa is None:
         return run
     backend = SDPA_BY_NAME[sdpa]
@@ -193,26 +188,11 @@ def make_step(cfg: BenchConfig, path: str, T: int, inputs=None, backward: bool =
     return step
 
 
-def _with_cpu_kernel(kind: str, run):
-    """``run`` with the cpu kernel set's rows switched to ``kind`` for the call (then restored)."""
-    from ..ops import cpu_backend
-
-    def step():
-        before, cpu_backend.kernel = cpu_backend.kernel, kind
-        try:
-            return run()
-        finally:
-            cpu_backend.kernel = before
-    return step
-
-
 def backend_name(cfg: BenchConfig, path: str) -> str:
     if path in ("dense", "mask"):
         return "sdpa"
     if path in ("torch", "flex"):
         return path
-    if path in ROWS_PATHS:
-        return "cpu-rows"
     return resolve_backend("auto", torch.device(cfg.device), interpolated=path.startswith("interpolated"))
 
 

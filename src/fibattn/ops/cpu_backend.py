@@ -12,8 +12,8 @@ halves compiled side by side: gcc takes 8 s instead of 13 s on two cores) and re
 processes never load a half-written library. Threads: ``torch.get_num_threads()``.
 Head sizes of 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors (fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96,
 128 or 256 with AVX2; 32, 48, 64, 80, 96, 128, 160, 192, 256 or 512 with AVX-512) run vector rows (a
-row's columns in SIMD lanes; see ``cpu_kernels.c``); others, more columns than 16 vectors of lanes, or
-``FIBATTN_CPU_KERNEL=rows`` (``kernel = "rows"``), the generic rows (issue 29's baseline).
+row's columns in SIMD lanes; see ``cpu_kernels.c``); others, or more columns than 16 vectors of lanes,
+the generic rows (the kernel before issue 29, about half as fast).
 Large outputs, the backward's scratch and copies of strided inputs live on transparent huge pages,
 their memory reused between calls (``host_pages``, ``FIBATTN_HOST_POOL_MB``); outputs larger than
 the threads' L2 caches are written by streaming stores (:data:`stream_min_bytes`); an interpolated
@@ -53,10 +53,8 @@ _ABI = 14
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 _REAL = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-# "tiled": vector rows for the head sizes above (the generic rows for others); "rows": the generic rows
-# only (issue 29's baseline, kept for side-by-side timing in ``bench attention``)
-KERNELS = ("tiled", "rows")
-kernel = os.environ.get("FIBATTN_CPU_KERNEL") or "tiled"
+# Tests only: the generic rows on every head size, so that they check both kinds of rows on one input
+_generic_rows = False
 # Outputs of at least this many bytes are written by streaming stores (cpu_kernels.c, tapsums); None:
 # the L2 caches of the threads that write them (an output larger than those goes to memory anyway)
 stream_min_bytes: int | None = None
@@ -137,6 +135,9 @@ def _compile(compiler: str, target: Path) -> None:
 
 
 def _load() -> _Build:
+    if os.environ.get("FIBATTN_CPU_KERNEL"):      # issue 29's old switch: say so, rather than ignore it
+        log.warning("fibattn: FIBATTN_CPU_KERNEL is no longer read: the generic rows run only where the vector "
+                    "rows do not (issue 29, docs/cpu_kernels.md)")
     compiler = shutil.which("gcc")
     if compiler is None:
         return _Build(reason="no C compiler: 'gcc' is not on PATH")
@@ -274,9 +275,7 @@ def _positions(off, q: torch.Tensor):
 
 
 def _fast() -> ctypes.c_int:
-    if kernel not in KERNELS:
-        raise UsageError(f"FIBATTN_CPU_KERNEL must be one of {', '.join(KERNELS)}, got {kernel!r}")
-    return ctypes.c_int(kernel == "tiled")
+    return ctypes.c_int(not _generic_rows)
 
 
 @functools.cache

@@ -1029,8 +1029,8 @@ FA_INLINE void SFX(fwd_row)(const REAL *restrict qi, const REAL *restrict kb, co
 
 /* The vector rows need D a multiple of the vector width in one of FA_WITH_NV's sizes (2, 3, 4, 5, 6,
  * 8, 10, 12, 16 or 32 vectors: fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96, 128 or 256 with AVX2, Dh 32 to
- * 512 with AVX-512, the common head sizes at either width); fast = 0 (the backend's
- * FIBATTN_CPU_KERNEL=rows) keeps the generic rows for comparison. */
+ * 512 with AVX-512, the common head sizes at either width); fast = 0 (a test hook of the backend)
+ * keeps the generic rows, so that tests hold both kinds of rows to one input. */
 static int SFX(fixed_nv)(i64 D, int fast) {
     int nv = 0;
     if (fast && D % FA_VL == 0) FA_WITH_NV(D / FA_VL, nv = NV);
