@@ -30,8 +30,9 @@ def test_fused_paths_report_their_rate_against_the_peak(monkeypatch, one_thread)
     real = cpu_backend._fast
 
     def spy():
-        seen.append(real().value)
-        return real()
+        fast = real()
+        seen.append(fast.value)
+        return fast
 
     monkeypatch.setattr(cpu_backend, "_fast", spy)
     cfg = ba.BenchConfig(lengths=[64], repeats=1, heads=2, kv_heads=1, head_dim=16, memory=False,
