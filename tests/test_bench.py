@@ -26,7 +26,7 @@ def _fake_train(monkeypatch, durations: dict):
     by its variant's duration; returns the call log."""
     log, now = [], [0.0]
 
-    def make_step(model_cfg, batch, device, compiled=False, documents=0):
+    def make_step(model_cfg, batch, device, compiled=False, documents=0, **how):
         name = model_cfg.attention + ("_compiled" if compiled else "")
 
         def step():
@@ -60,6 +60,48 @@ def test_bench_train_interleaves_round_robin(monkeypatch, compiled):
         assert "dense_compiled_tok_s" not in r
 
 
+def test_bench_train_steps_make_their_loss_as_training_and_dense_on_the_fastest_sdpa(monkeypatch):
+    """Every variant's step gets the resolved loss head (auto: plain on CPU, chunked on CUDA) and the SDPA
+    order (auto: cuDNN first on CUDA, torch's own on CPU); the warm-up seconds are reported apart."""
+    from torch.nn.attention import SDPBackend as B
+    seen = []
+
+    def make_step(model_cfg, batch, device, compiled=False, documents=0, **how):
+        seen.append(how)
+        return (lambda: None), 1
+    monkeypatch.setattr(bt, "make_step", make_step)
+    row = bt.bench([64], steps=5, tokens=128, loss_head="chunked", dense_sdpa="math")[0]
+    assert seen == [{"loss_head": "chunked", "sdpa": [B.MATH]}] * 2
+    assert row["dense_warmup_s"] >= 0 and row["sparse_warmup_s"] >= 0 and "dense_peak_mb" not in row
+    seen.clear()
+    bt.bench([64], steps=5, tokens=128)
+    assert seen == [{"loss_head": "plain", "sdpa": None}] * 2
+    assert bt.sdpa_backends("auto", torch.device("cuda")) == [B.CUDNN_ATTENTION, B.FLASH_ATTENTION,
+                                                             B.EFFICIENT_ATTENTION, B.MATH]
+    assert bt.sdpa_backends("flash", torch.device("cpu")) == [B.FLASH_ATTENTION]
+
+
+def test_bench_train_reports_peak_memory_and_mfu_on_cuda(monkeypatch):
+    """On CUDA each variant's peak MB (its state plus one more step's peak) and its MFU (tok/s x the model
+    FLOPs per token from its attended columns / the card's peak), checked with the device parts faked."""
+    from fibattn.trainer.throughput import flops_per_token
+    cfgs = {"dense": bt.variant("tiny", "dense", 64, 12, "auto"), "sparse": bt.variant("tiny", "sparse", 64, 12,
+                                                                                       "auto")}
+    step = types.SimpleNamespace(state_bytes=lambda: 1 << 20)
+    built = {name: (step, 1) for name in cfgs}
+    row = {"dense_tok_s": 1000.0, "sparse_tok_s": 2000.0}
+    monkeypatch.setattr(bt, "step_peak_bytes", lambda s, dev: 3 << 20)
+    monkeypatch.setattr(bt, "peak_flops", lambda dev, bf16: (1e12, "fake"))
+    bt._device_fields(row, built, cfgs, torch.device("cuda"))
+    assert row["dense_peak_mb"] == row["sparse_peak_mb"] == 4.0
+    assert row["sparse_mfu"] == pytest.approx(2000.0 * flops_per_token(cfgs["sparse"])[0] / 1e12)
+    assert row["dense_mfu"] == pytest.approx(1000.0 * flops_per_token(cfgs["dense"])[0] / 1e12)
+    text = bt.format_table([{**row, "length": 64, "batch": 2, "dense_tok_s_min": 1, "dense_tok_s_max": 1,
+                             "sparse_tok_s_min": 1, "sparse_tok_s_max": 1, "ratio": 2.0, "goal": None, "steps": 5,
+                             "dense_warmup_s": 1.5, "sparse_warmup_s": 0.5}], compiled=False)
+    assert "warm-up s" in text and "1.50" in text and "4 " in text
+
+
 def test_bench_train_interleave_syncs_only_on_cuda(monkeypatch):
     order = []
     monkeypatch.setattr(bt, "_sync", lambda dev: order.append("sync"))
@@ -80,7 +122,7 @@ def test_bench_train_median_resists_one_slow_step(monkeypatch):
     """One step stalled by another process moves the spread, not the median."""
     now, calls = [0.0], {"dense": 0, "sparse": 0}
 
-    def make_step(model_cfg, batch, device, compiled=False, documents=0):
+    def make_step(model_cfg, batch, device, compiled=False, documents=0, **how):
         name = model_cfg.attention
 
         def step():
@@ -149,7 +191,7 @@ def test_bench_train_checkpointing_interleaves_and_measures_each_mode(monkeypatc
     memory step each; ratios are full / none, goals only at T=16384."""
     log, now, modes = [], [0.0], {}
 
-    def make_step(model_cfg, batch, device, compiled=False, checkpointing="none", documents=0):
+    def make_step(model_cfg, batch, device, compiled=False, checkpointing="none", documents=0, *how):
         name = checkpointing + ("_compiled" if compiled else "")
         modes[name] = model_cfg.attention
 

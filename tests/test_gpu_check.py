@@ -44,3 +44,22 @@ def test_quick_check_runs_on_cpu(tmp_path):
         assert ratios[f"{key} at 256"] > 0, key
     assert summary["goals"]["cpu integer share of the matmul peak at 4096"]["goal"] == ">= 0.3"
     assert summary["goals"]["cpu interpolated/integer fwd+bwd at 16384"]["goal"] == "<= 1.4"
+
+
+def test_quick_train_bench_step_runs_on_cpu(tmp_path):
+    """Issue 54's step: both models compiled (inductor, on the CPU here), tok/s, sparse/dense and the compile
+    time cold, then warm from the same inductor cache in a second process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only", "train_bench",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary.get("errors"), summary.get("errors")
+    assert [s["status"] for s in summary["steps"].values()] == ["ok", "ok"], summary["steps"]
+    row = summary["train_bench"][0]
+    assert row["compiled"] is True and row["ratio"] > 0 and row["dense_warmup_s"] > 0
+    goals = summary["goals"]
+    assert goals["train compile s cold (worst variant)"]["measured"] > 0
+    assert goals["train compile s warm (worst variant)"]["measured"] > 0
+    assert goals["train compiled sparse/dense at 16384"]["goal"] == ">= 3.0"
+    assert summary["ratios"]["train compiled sparse/dense at 64"] > 0

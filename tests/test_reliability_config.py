@@ -62,7 +62,8 @@ def cwd(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ types, from every source
 BAD_FILE_VALUES = [
     ({"train": {"device": 5}}, "train.device", "a string"),
-    ({"train": {"compile": "yes"}}, "train.compile", "true or false"),
+    ({"train": {"compile": "maybe"}}, "train.compile", "auto, true, false"),
+    ({"train": {"compile": 3}}, "train.compile", "a string"),
     ({"train": {"lr": "3e-4"}}, "train.lr", "a finite number"),
     ({"train": {"out_dir": None}}, "train.out_dir", "a string"),
     ({"train": {"steps": 10.0}}, "train.steps", "an integer"),

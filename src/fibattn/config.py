@@ -20,11 +20,28 @@ from .checks import ConfigError, did_you_mean
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
 # train.activation_checkpointing: none keeps every block's activations; full recomputes each block in the backward.
 ACTIVATION_CHECKPOINTING = ("none", "full")
+# The output head's loss (fibattn.model.head_loss): plain logits, chunked rows, or liger-kernel's fused kernels.
+LOSS_HEADS = ("plain", "chunked", "liger")
+# An on/off setting whose default follows the device: true and false are also read from booleans and from the
+# words --set takes for booleans (yes/no, on/off, 1/0), see switch_value.
+SWITCH = ("auto", "true", "false")
 
 
 def show_value(value) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def switch_value(value):
+    """A :data:`SWITCH` setting's value from what users and older config files write: ``True`` / ``"on"`` /
+    ``"yes"`` / ``"1"`` -> ``"true"``, their opposites -> ``"false"``; anything else is returned as given (and
+    refused by validation, naming the allowed words)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        low = value.strip().lower()
+        return {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(low, low)
+    return value
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, choices: tuple = (), factory=None):
@@ -125,7 +142,11 @@ class TrainConfig:
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "gradient-norm clip (0: none)")
     precision: str = setting("auto", "auto: bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16"))
-    compile: bool = setting(False, "torch.compile the model")
+    compile: str = setting("auto", "torch.compile the model, fullgraph (auto: on for CUDA, off for CPU)",
+                           choices=SWITCH)
+    loss_head: str = setting("auto", "the head's loss: plain (whole logits), chunked (never all logits), liger "
+                             "(liger-kernel, CUDA); auto: chunked on CUDA, plain on CPU",
+                             choices=("auto",) + LOSS_HEADS)
     activation_checkpointing: str = setting("none", "none keeps every block's activations; full recomputes each "
                                             "block in the backward (less memory)", choices=ACTIVATION_CHECKPOINTING)
     seed: int = setting(42, "random seed (weights, data order)")
@@ -208,6 +229,9 @@ def with_defaults(doc: dict) -> dict:
     """A saved config document with the keys added since it was written set to their defaults, so that a
     run made by an older fibattn compares equal to the same settings today."""
     out = dict(doc)
+    train = out.get("train")
+    if isinstance(train, dict) and isinstance(train.get("compile"), bool):     # older runs' files hold a boolean
+        out["train"] = {**train, "compile": switch_value(train["compile"])}
     for section, defaults in to_dict(RunConfig()).items():
         if isinstance(defaults, dict) and isinstance(doc.get(section), dict):
             out[section] = {**{k: v for k, v in defaults.items() if k not in doc[section]}, **doc[section]}
@@ -349,6 +373,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                     raise ConfigError(f"{key} is a section; set one of its fields, e.g. {key}.<field>=...")
                 kind = typing.get_type_hints(type(target)).get(part, type(current))
                 value = _parse_value(text, kind, key)
+                allowed = field_help(type(target), part)[1]
+                if kind is str and allowed:                       # a closed set: refused here, naming it
+                    value = switch_value(value) if allowed == SWITCH else value
+                    if value not in allowed:
+                        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {text!r}")
                 if part == "sources":
                     if not all(isinstance(v, dict) for v in value):
                         raise ConfigError(f"{key} must be a JSON list of source mappings, got {text!r}; e.g. "

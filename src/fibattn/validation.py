@@ -5,6 +5,7 @@ and what is allowed."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 import os
@@ -12,7 +13,7 @@ import typing
 
 from . import devices
 from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
-                     field_help, show_value)
+                     field_help, show_value, switch_value)
 
 # ----------------------------------------------------------------------------- validation
 def _need(ok: bool, msg: str):
@@ -93,15 +94,17 @@ def _gb(n: float) -> str:
 
 def check_training_fits(m: ModelConfig, micro_batch: int, bf16: bool, device, *,
                         flags: str = "train.micro_batch / model.seq_len", checkpointing: str = "none",
-                        context: int = 1) -> None:
+                        context: int = 1, logit_rows: int | None = None) -> None:
     """Refuse training that certainly exceeds ``device``'s memory, naming the estimate. A lower bound:
     fp32 weights, gradients and both AdamW moments (16 bytes per parameter), eight saved ``d_model``
     activations per token and layer (``checkpointing="full"``: one per layer plus one recomputed block's
     eight), and one micro-batch's logits with their gradient; ``context``: a context-parallel rank holds
-    1/``context`` of each sequence's activations."""
+    1/``context`` of each sequence's activations; ``logit_rows``: a loss head that holds at most that many rows
+    of logits at once (the chunked heads)."""
     n, tokens = estimate_params(m), micro_batch * m.seq_len // context
+    rows = tokens if logit_rows is None else min(tokens, logit_rows)
     saved = m.n_layers + 8 if checkpointing == "full" else 8 * m.n_layers
-    need = 16 * n + tokens * (2 if bf16 else 4) * saved * m.d_model + tokens * 4 * 2 * m.vocab_size
+    need = 16 * n + tokens * (2 if bf16 else 4) * saved * m.d_model + rows * 4 * 2 * m.vocab_size
     mem = devices.device_memory_bytes(device)
     if mem is not None and need > mem:
         raise ConfigError(f"training this model needs at least {_gb(need)} ({n:.3g} parameters at 16 bytes each for "
@@ -218,6 +221,7 @@ def validate_data(d: DataConfig) -> None:
 
 def validate_train(t: TrainConfig) -> None:
     s = "train"
+    t.compile = switch_value(t.compile)          # true/false as JSON booleans or --set's boolean words
     _check_types(t, s)
     _need(t.out_dir.strip() != "", "train.out_dir must name a folder, got ''")
     for name in ("steps", "batch_tokens", "micro_batch", "log_every", "ckpt_every", "keep_ckpts",
@@ -233,6 +237,11 @@ def validate_train(t: TrainConfig) -> None:
     _num_in(t, s, "grad_clip", 0, 1e9)
     _choice(t, s, "precision")
     _choice(t, s, "activation_checkpointing")
+    _choice(t, s, "compile")
+    _choice(t, s, "loss_head")
+    if t.loss_head == "liger":
+        _need(importlib.util.find_spec("liger_kernel") is not None,
+              "train.loss_head=liger needs liger-kernel: pip install liger-kernel (or set chunked or auto)")
     _need(t.device in ("auto", "cpu", "cuda") or (t.device.startswith("cuda:") and t.device[5:].isdigit()),
           f"train.device must be auto, cpu, cuda or cuda:N, got {t.device!r}")
 
@@ -327,6 +336,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     P = cfg.train.context_parallel
     _need(cfg.model.seq_len % P == 0, f"model.seq_len ({cfg.model.seq_len}) must be divisible by "
           f"train.context_parallel ({P}): each rank of a context group takes an equal chunk")
-    _need(P == 1 or not cfg.train.compile, f"train.compile=true with train.context_parallel={P} is not supported yet "
-          "(the halo exchange is not traced); set one of them back")
+    _need(P == 1 or cfg.train.compile != "true", f"train.compile=true with train.context_parallel={P} is not "
+          "supported yet (the halo exchange is not traced); set one of them back (auto leaves it off)")
     return cfg

@@ -4,7 +4,11 @@ Both variants share the preset's shape (default ``tiny``); sparse is fib base, l
 schedule (``--schedule learned`` for a learned alpha), W=12 (``--window``). Each step is
 forward + backward + AdamW on random tokens, ``--tokens`` tokens per step (batch =
 tokens // T; default 8192 on CPU, 32768 on CUDA, the study's step), bf16 autocast on
-CUDA. ``--compile`` adds both models under ``torch.compile(fullgraph=True)``.
+CUDA. ``--compile`` adds both models under ``torch.compile(fullgraph=True)``. Each step makes its loss the
+way training does (``--loss-head``, as ``train.loss_head``: auto is chunked on CUDA, plain on CPU), and the
+dense model's attention runs on the fastest SDPA backend the card has (``--dense-sdpa``; auto tries cuDNN,
+then FlashAttention-2, memory-efficient, math: cuDNN measured 1.6x flash on an H200), so that the baseline
+is the fair one.
 
 For each length every variant's model is built first (all live at once), each is warmed
 up (one step; two for a compiled model, whose first steps compile the forward and the
@@ -13,9 +17,11 @@ round-robin (dense, sparse[, dense compiled, sparse compiled], dense, sparse, ..
 load from other processes hits all variants alike; on CUDA each timed step is synchronised
 before and after. Reported per variant: the median tokens/s over its timed steps and the
 spread (min–max of the per-step tokens/s); ratios are ratios of medians (sparse / dense,
-compiled / eager).
+compiled / eager); the seconds of its warm-up steps (a compiled model's compile time, reported apart from
+its tokens/s); on CUDA also its peak memory of one step and its MFU (model FLOPs from the attended columns,
+:mod:`fibattn.trainer.throughput`, against the card's bf16 peak).
 Goals: sparse / dense >= 1.2x at T=1024 and >= 2x at T=4096 on a CPU, >= 1.0x and >= 1.5x
-on CUDA; compiled / eager >= 1.0x.
+on CUDA; compiled / eager >= 1.0x; ``--compiled-only`` on CUDA: >= 1.1x, 1.4x, 3x at T = 1024, 4096, 16384.
 
 ``--activation-checkpointing full`` times the sparse model with ``none`` and ``full`` instead (the same
 interleaving; with ``--compile`` also both compiled) and prints each one's peak memory of one step: the
@@ -34,13 +40,18 @@ import torch
 
 from ..checks import parse_int_list
 from ..config import ACTIVATION_CHECKPOINTING, ConfigError
+from ..model.head_loss import chunk_rows
 from ..model.lm import FibLM
 from ..presets import get_preset
+from ..trainer.setup import loss_head_for
+from ..trainer.throughput import flops_per_token, peak_flops
 from ..validation import check_training_fits
 from .attention_paths import check_documents, equal_documents
 from .memory import live_bytes, step_peak_bytes
 
-GOALS = {"cpu": {1024: 1.2, 4096: 2.0}, "cuda": {1024: 1.0, 4096: 1.5}}
+SDPA = ("auto", "cudnn", "flash", "efficient", "math")
+GOALS = {"cpu": {1024: 1.2, 4096: 2.0}, "cuda": {1024: 1.0, 4096: 1.5},
+         "cuda compiled": {1024: 1.1, 4096: 1.4, 16384: 3.0}}      # issue 54: both compiled, dense on cuDNN
 CHECKPOINTING_GOALS = {16384: {"memory": 1 / 3, "speed": 0.7}}     # full / none: peak at most, tokens/s at least
 MEMORY = ("the weights, optimizer moments and batch a step starts with plus the most one more step allocates at "
           "once (CPU: PyTorch's allocator through the profiler; CUDA: max_memory_allocated)")
@@ -69,11 +80,18 @@ def configure_parser(parser) -> None:
                         help="sparse schedule: linear (static) or learned alpha (default linear)")
     parser.add_argument("--compile", action="store_true",
                         help="also time both models under torch.compile(fullgraph=True)")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="time only the compiled models (as dense and sparse): what training on CUDA runs")
     parser.add_argument("--activation-checkpointing", default="none", choices=ACTIVATION_CHECKPOINTING,
                         help="full: time the sparse model with each block recomputed in the backward next to none, "
                              "with each one's peak memory (train.activation_checkpointing)")
     parser.add_argument("--documents", type=int, default=0, metavar="N",
                         help="N equal packed documents per row, attention masked to each (default 0: off)")
+    parser.add_argument("--loss-head", default="auto", choices=("auto", "plain", "chunked", "liger"),
+                        help="how each step makes its loss (train.loss_head; default auto: chunked on CUDA)")
+    parser.add_argument("--dense-sdpa", default="auto", choices=SDPA,
+                        help="the dense model's SDPA backend (default auto: cudnn, flash, efficient, math in that "
+                             "order on CUDA; torch's choice on CPU)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (default 0: torch's default)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -87,19 +105,41 @@ def variant(preset: str, attention: str, T: int, window: int, backend: str, sche
     return cfg
 
 
+def sdpa_backends(name: str, device: torch.device):
+    """The SDPA backends, in priority order, that ``--dense-sdpa name`` allows, or None for torch's own choice
+    (auto on a CPU). A named backend alone: SDPA then fails loudly where it cannot run."""
+    from torch.nn.attention import SDPBackend as B
+    if name == "auto":
+        if device.type != "cuda":
+            return None
+        return [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH]
+    return [{"cudnn": B.CUDNN_ATTENTION, "flash": B.FLASH_ATTENTION, "efficient": B.EFFICIENT_ATTENTION,
+             "math": B.MATH}[name]]
+
+
+def _sdpa_context(backends):
+    if backends is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+    return sdpa_kernel(backends, set_priority=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def make_step(model_cfg, batch: int, device: torch.device, compiled: bool = False, checkpointing: str = "none",
-              documents: int = 0):
+              documents: int = 0, loss_head: str = "plain", sdpa=None):
     """A fresh model (seed 0), its AdamW and random tokens; returns ``(step, warmup_steps)``
     where ``step()`` runs one forward + backward + optimizer step and ``step.state_bytes()`` counts
     the weights, optimizer moments and batch every step starts with; ``documents``: that many packed
-    documents per row, attention masked to each (0: one document)."""
+    documents per row, attention masked to each (0: one document); ``loss_head``: the model's
+    :meth:`~fibattn.model.lm.FibLM.set_loss_head`; ``sdpa``: :func:`sdpa_backends` for the dense attention."""
     torch.manual_seed(0)
-    model = FibLM(model_cfg).to(device).set_activation_checkpointing(checkpointing)
+    model = FibLM(model_cfg).to(device).set_activation_checkpointing(checkpointing).set_loss_head(loss_head)
+    if compiled:
+        model.warm()                 # the tables built before tracing, as training does
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     fwd = torch.compile(model, fullgraph=True) if compiled else model
     T = model_cfg.seq_len
@@ -109,9 +149,10 @@ def make_step(model_cfg, batch: int, device: torch.device, compiled: bool = Fals
     cuda = device.type == "cuda"
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-            _, loss = fwd(x, y, **docs)
-        loss.backward()
+        with _sdpa_context(sdpa if model_cfg.attention == "dense" else None):
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+                _, loss = fwd(x, y, **docs, return_logits=False)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -142,44 +183,71 @@ def summarize(tokens_per_step: int, secs: list[float]) -> dict:
     return {"tok_s": statistics.median(rates), "min": min(rates), "max": max(rates), "steps": len(rates)}
 
 
-def _check_fit(lengths, tokens: int, preset: str, window: int, backend: str, dev: torch.device) -> None:
+def _check_fit(lengths, tokens: int, preset: str, window: int, backend: str, dev: torch.device,
+               loss_head: str = "plain") -> None:
     for T in lengths:                        # every length is checked before the first is timed
-        check_training_fits(variant(preset, "dense", T, window, backend), max(1, tokens // T), dev.type == "cuda",
-                            dev, flags="--tokens / --lengths")
+        cfg = variant(preset, "dense", T, window, backend)
+        rows = None if loss_head == "plain" else chunk_rows(cfg.vocab_size)
+        check_training_fits(cfg, max(1, tokens // T), dev.type == "cuda", dev, flags="--tokens / --lengths",
+                            logit_rows=rows)
 
 
 def _timed(built: dict, steps: int, dev: torch.device, tokens_per_step: int) -> dict:
-    """Warm every ``(step, warmup_steps)`` in ``built`` up, time them interleaved; each one's row fields."""
-    for step, warmup in built.values():
+    """Warm every ``(step, warmup_steps)`` in ``built`` up (its seconds: ``NAME_warmup_s``, a compiled
+    model's compile time), time them interleaved; each one's row fields."""
+    row = {}
+    for name, (step, warmup) in built.items():
+        _sync(dev)
+        t0 = time.perf_counter()
         for _ in range(warmup):
             step()
+        _sync(dev)
+        row[f"{name}_warmup_s"] = time.perf_counter() - t0
     secs = interleave({name: step for name, (step, _) in built.items()}, steps, dev)
-    row = {}
     for name in built:
         s = summarize(tokens_per_step, secs[name])
         row.update({f"{name}_tok_s": s["tok_s"], f"{name}_tok_s_min": s["min"], f"{name}_tok_s_max": s["max"]})
     return row
 
 
+def _device_fields(row: dict, built: dict, cfgs: dict, dev: torch.device) -> None:
+    """On CUDA: each variant's peak memory of one more step (MB) and MFU against the card's bf16 peak."""
+    if dev.type != "cuda":
+        return
+    peak = peak_flops(dev, True)[0]
+    for name, (step, _) in built.items():
+        row[f"{name}_peak_mb"] = (step.state_bytes() + step_peak_bytes(step, dev)) / 2 ** 20
+        if peak:
+            row[f"{name}_mfu"] = row[f"{name}_tok_s"] * flops_per_token(cfgs[name])[0] / peak
+
+
 def bench(lengths, steps: int, tokens: int, preset: str = "tiny", window: int = 12, backend: str = "auto",
-          device: str = "cpu", schedule: str = "linear", compiled: bool = False, documents: int = 0) -> list[dict]:
+          device: str = "cpu", schedule: str = "linear", compiled: bool = False, documents: int = 0,
+          loss_head: str = "auto", dense_sdpa: str = "auto", eager: bool = True) -> list[dict]:
+    """Rows of tokens/s per length; ``eager=False`` (with ``compiled``): the compiled models alone, as
+    ``dense`` and ``sparse``."""
     check_steps(steps)
     dev = torch.device(device)
-    goals = GOALS["cuda" if dev.type == "cuda" else "cpu"]
-    _check_fit(lengths, tokens, preset, window, backend, dev)
+    how = {"loss_head": loss_head_for(loss_head, dev, field="--loss-head"), "sdpa": sdpa_backends(dense_sdpa, dev)}
+    goals = GOALS["cpu" if dev.type != "cuda" else "cuda compiled" if compiled and not eager else "cuda"]
+    _check_fit(lengths, tokens, preset, window, backend, dev, how["loss_head"])
     rows = []
     for T in lengths:
         batch = max(1, tokens // T)
         cfgs = {a: variant(preset, a, T, window, backend, schedule) for a in ("dense", "sparse")}
         names = [("dense", "dense", False), ("sparse", "sparse", False)]
-        if compiled:
+        if compiled and not eager:
+            names = [("dense", "dense", True), ("sparse", "sparse", True)]
+        elif compiled:
             names += [("dense_compiled", "dense", True), ("sparse_compiled", "sparse", True)]
-        built = {name: make_step(cfgs[a], batch, dev, c, documents=documents)     # all models live at once
+        built = {name: make_step(cfgs[a], batch, dev, c, documents=documents, **how)   # all models live at once
                  for name, a, c in names}
         row = {"length": T, "batch": batch, **_timed(built, steps, dev, batch * T)}
+        _device_fields(row, built, {name: cfgs[a] for name, a, _ in names}, dev)
         del built
-        row.update(ratio=row["sparse_tok_s"] / row["dense_tok_s"], goal=goals.get(T), steps=steps)
-        if compiled:
+        row.update(ratio=row["sparse_tok_s"] / row["dense_tok_s"], goal=goals.get(T), steps=steps,
+                   compiled=compiled and not eager)
+        if compiled and eager:
             for a in ("dense", "sparse"):
                 row[f"{a}_compiled_over_eager"] = row[f"{a}_compiled_tok_s"] / row[f"{a}_tok_s"]
         rows.append(row)
@@ -194,17 +262,18 @@ def _suffixes(compiled: bool) -> tuple[str, ...]:
 
 def bench_checkpointing(lengths, steps: int, tokens: int, preset: str = "tiny", window: int = 12,
                         backend: str = "auto", device: str = "cpu", schedule: str = "linear",
-                        compiled: bool = False, documents: int = 0) -> list[dict]:
+                        compiled: bool = False, documents: int = 0, loss_head: str = "auto") -> list[dict]:
     """The sparse model with activation checkpointing ``none`` and ``full`` side by side: tokens/s timed as
     :func:`bench` does, then one more step of each for its peak memory (MB)."""
     check_steps(steps)
     dev = torch.device(device)
-    _check_fit(lengths, tokens, preset, window, backend, dev)
+    head = loss_head_for(loss_head, dev, field="--loss-head")
+    _check_fit(lengths, tokens, preset, window, backend, dev, head)
     rows = []
     for T in lengths:
         batch = max(1, tokens // T)
         cfg = variant(preset, "sparse", T, window, backend, schedule)
-        built = {mode + suffix: make_step(cfg, batch, dev, bool(suffix), mode, documents)
+        built = {mode + suffix: make_step(cfg, batch, dev, bool(suffix), mode, documents, head)
                  for suffix in _suffixes(compiled) for mode in ACTIVATION_CHECKPOINTING}
         row = {"length": T, "batch": batch, **_timed(built, steps, dev, batch * T)}
         for name, (step, _) in built.items():      # after the timing: the profiler slows the step it watches
@@ -241,7 +310,18 @@ def format_table(rows: list[dict], compiled: bool) -> str:
             lines.append(f"{r['length']:>6} {r['dense_compiled_tok_s']:>12.0f} {rd:<{rng}} "
                          f"{r['dense_compiled_over_eager']:>14.2f}x {r['sparse_compiled_tok_s']:>13.0f} "
                          f"{rs:<{rng}} {r['sparse_compiled_over_eager']:>14.2f}x")
-    return "\n".join(lines + _timing_note(rows))
+    return "\n".join(lines + _variant_lines(rows) + _timing_note(rows))
+
+
+def _variant_lines(rows: list[dict]) -> list[str]:
+    """Per variant: its warm-up seconds (a compiled one's compile time), and on CUDA its peak MB and MFU."""
+    lines = ["", f"{'T':>6} {'variant':<16} {'warm-up s':>10} {'peak MB':>9} {'MFU':>6}"]
+    for r in rows:
+        for name in (k[: -len("_warmup_s")] for k in r if k.endswith("_warmup_s")):
+            peak, util = r.get(f"{name}_peak_mb"), r.get(f"{name}_mfu")
+            lines.append(f"{r['length']:>6} {name:<16} {r[f'{name}_warmup_s']:>10.2f} "
+                         f"{'-' if peak is None else f'{peak:.0f}':>9} {'-' if util is None else f'{util:.1%}':>6}")
+    return lines + ["warm-up s: the steps before timing (a compiled model's compile time); peak MB and MFU on CUDA"]
 
 
 def _timing_note(rows: list[dict]) -> list[str]:
@@ -282,14 +362,17 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing == "full"
-    rows = (bench_checkpointing if checkpointing else bench)(lengths, args.steps, args.tokens, args.preset, args.window,
-                                                              args.backend, args.device, args.schedule, args.compile,
-                                                              args.documents)
+    common = (lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device, args.schedule,
+              args.compile, args.documents)
+    rows = (bench_checkpointing(*common, loss_head=args.loss_head) if checkpointing else
+            bench(*common[:-2], args.compile or args.compiled_only, args.documents, loss_head=args.loss_head,
+                  dense_sdpa=args.dense_sdpa, eager=not args.compiled_only))
     if args.json:
         print(json.dumps({"preset": args.preset, "window": args.window, "schedule": args.schedule,
                           "device": args.device, "threads": torch.get_num_threads(), "steps": args.steps,
                           "stat": "median", "spread": SPREAD, "order": "interleaved round-robin",
                           "activation_checkpointing": args.activation_checkpointing, "documents": args.documents,
+                          "loss_head": args.loss_head, "dense_sdpa": args.dense_sdpa,
                           **({"peak_mb": MEMORY} if checkpointing else {}), "rows": rows}, indent=2))
         return 0
     if checkpointing:
@@ -301,5 +384,7 @@ def run(args) -> int:
     print(f"training throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window} vs dense, "
           f"{torch.get_num_threads()} threads, {args.device}"
           + (f", {args.documents} packed documents per row" if args.documents else ""))
-    print(format_table(rows, args.compile))
+    if args.compiled_only:
+        print("both models compiled (torch.compile, fullgraph=True)")
+    print(format_table(rows, args.compile and not args.compiled_only))
     return 0

@@ -164,6 +164,14 @@ class FibAttention(nn.Module):
             self._dist_cache[key] = hit
         return hit
 
+    def warm(self, seq_len: int, device=None) -> None:
+        """Build the tables a forward at ``seq_len`` reads (RoPE's rotations, a static layer's distances) now.
+        Filled inside ``torch.compile``'s first trace instead, they would change the module between its first
+        two calls, and the compiler would compile it a second time."""
+        self.rope.rotations(seq_len, device if device is not None else self.q_proj.weight.device)
+        if self.attention == "sparse" and not self.learned:
+            self.distances(seq_len)
+
     # ---------------------------------------------------------------- forward pieces
     def qkv(self, x: torch.Tensor, offset: int = 0):
         """Projections with RoPE applied: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``."""

@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checks import UsageError
 from .attention import FibAttention
-from ..config import ACTIVATION_CHECKPOINTING, ModelConfig
+from .head_loss import head_loss, logits_loss
+from ..config import ACTIVATION_CHECKPOINTING, LOSS_HEADS, ModelConfig
 from ..validation import validate_model
 
 
@@ -72,6 +73,7 @@ class FibLM(nn.Module):
         validate_model(cfg)
         self.cfg = cfg
         self.activation_checkpointing = "none"
+        self.loss_head = "plain"
         out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, out_std) for i in range(cfg.n_layers))
@@ -135,26 +137,46 @@ class FibLM(nn.Module):
         self.activation_checkpointing = mode
         return self
 
+    def set_loss_head(self, how: str) -> FibLM:
+        """How ``forward(..., return_logits=False)`` makes the loss (:mod:`fibattn.model.head_loss`): ``plain``
+        (the logits, then cross-entropy), ``chunked`` (never the whole ``(B, T, V)`` logits) or ``liger``
+        (liger-kernel's fused kernels). A runtime choice (``train.loss_head``), not part of the weights."""
+        if how not in LOSS_HEADS:
+            raise UsageError(f"loss head must be one of {', '.join(LOSS_HEADS)}, got {how!r}")
+        self.loss_head = how
+        return self
+
+    def warm(self, seq_len: int | None = None) -> FibLM:
+        """Build every layer's tables for sequences of ``seq_len`` (default ``cfg.seq_len``) on the model's
+        device, before ``torch.compile``: then the first compiled call finds them and the second call runs the
+        same graph (:meth:`FibAttention.warm`). Moving the model (``.to``) drops them; warm after moving."""
+        for layer in self.layers():
+            layer.warm(seq_len or self.cfg.seq_len, self.embed.weight.device)
+        return self
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The output head on normalised hidden states."""
         return F.linear(h, self.output_weight)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                document_ids: torch.Tensor | None = None, offset: int = 0):
+                document_ids: torch.Tensor | None = None, offset: int = 0, return_logits: bool = True):
         """Logits ``(B, T, V)``; with ``targets`` ``(B, T)`` also the mean token cross-entropy.
 
         Target positions equal to -100 are ignored (PyTorch's ``ignore_index``). ``document_ids``
         ``(B, T)``: packed documents (``fibattn.sparse_attention``); logits of each document equal
         those of the document run on its own. ``offset``: the global position of ``idx[:, 0]`` (a
-        context-parallel chunk, ``fibattn.parallel``).
+        context-parallel chunk, ``fibattn.parallel``). ``return_logits=False`` (with ``targets``): ``(None, loss)``,
+        the loss made the :meth:`set_loss_head` way, which for ``chunked`` and ``liger`` never holds the logits.
         """
-        logits = self.logits(self.hidden(idx, offset, document_ids))
+        if targets is not None and targets.shape != idx.shape:
+            raise UsageError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        h = self.hidden(idx, offset, document_ids)
+        if targets is not None and not return_logits:
+            return None, head_loss(h, self.output_weight, targets, self.loss_head)
+        logits = self.logits(h)
         if targets is None:
             return logits
-        if targets.shape != idx.shape:
-            raise UsageError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).long())
-        return logits, loss
+        return logits, logits_loss(logits, targets)
 
     # ------------------------------------------------------------------ reports
     def num_params(self, non_embedding: bool = True) -> int:

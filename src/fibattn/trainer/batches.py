@@ -44,6 +44,16 @@ def build_mesh(cfg: RunConfig, dist: D.DistInfo) -> Mesh:
     return Mesh(mesh.get_local_rank("dp"), W // P, ContextGroup(cp.get_group(), ranks, cp.get_local_rank()), mesh)
 
 
+def to_device(batch, device: torch.device) -> torch.Tensor:
+    """A host batch (numpy or tensor) on ``device``. To CUDA through pinned memory with a non-blocking copy:
+    the host goes on to the next micro-batch while the copy and the step run (torch's pinned-memory cache
+    keeps the buffer until the copy is done)."""
+    t = torch.as_tensor(batch)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class BatchForward:
     """``(loss, tokens counted)`` of a batch ``(x, y)`` through ``fwd`` (the model, or DDP around it):
     with its documents, and on this rank's chunk under context parallelism."""
@@ -53,6 +63,7 @@ class BatchForward:
 
     def __call__(self, fwd, x: torch.Tensor, y: torch.Tensor):
         kw, cg = self.documents(x), self.mesh.context
+        kw["return_logits"] = False              # the loss only: the model's loss head need not hold the logits
         if cg is None:
             return fwd(x, y, **kw)[1], y.numel()
         T = x.shape[1]
@@ -60,7 +71,7 @@ class BatchForward:
             return fwd(x, y, **kw)[1], (y.numel() if cg.rank == 0 else 0)
         shard = cg.shard(T, kw.get("document_ids"))
         with sharded(self.model, shard):
-            loss = fwd(shard.local(x), shard.local(y), offset=shard.start)[1]
+            loss = fwd(shard.local(x), shard.local(y), offset=shard.start, return_logits=False)[1]
         return loss, y.numel() // cg.size
 
 

@@ -18,6 +18,7 @@ from .. import config as C
 from .. import validation as V
 from ..config import ConfigError, RunConfig
 from ..files import make_parents
+from ..model.head_loss import chunk_rows
 from . import distributed as D
 from .logs import is_metrics_log
 
@@ -56,12 +57,13 @@ def prepare_out_dir(path) -> Path:
     return p
 
 
-def check_fits(cfg: RunConfig, device: torch.device) -> None:
+def check_fits(cfg: RunConfig, device: torch.device, loss_head: str = "plain") -> None:
     """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate."""
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
+    rows = None if loss_head == "plain" else chunk_rows(cfg.model.vocab_size)
     V.check_training_fits(cfg.model, t.micro_batch, bf16, device, checkpointing=t.activation_checkpointing,
-                          context=t.context_parallel)
+                          context=t.context_parallel, logit_rows=rows)
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
@@ -85,6 +87,47 @@ def autocast_for(precision: str, device: torch.device):
     if use_bf16:
         return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext
+
+
+def compile_wanted(t: C.TrainConfig, device: torch.device, is_main: bool = True) -> bool:
+    """``train.compile`` resolved: ``auto`` compiles on CUDA (where the host's Python would otherwise set the
+    pace) but not on a CPU (compiling takes longer than most CPU runs gain), nor with context parallelism
+    (its halo exchange is not traced); the choice is logged once."""
+    if t.compile != "auto":
+        return t.compile == "true"
+    on = device.type == "cuda" and t.context_parallel == 1
+    if is_main:
+        why = ("CUDA" if on else "context parallelism is not traced" if device.type == "cuda"
+               else f"{device.type}: set train.compile=true to compile anyway")
+        log.info("fibattn: train.compile auto -> %s (%s)", "torch.compile, fullgraph" if on else "eager", why)
+    return on
+
+
+def loss_head_for(how: str, device: torch.device, is_main: bool = True, field: str = "train.loss_head") -> str:
+    """``train.loss_head`` (or the bench's ``field``) resolved: ``auto`` keeps the plain head on a CPU (its
+    losses stay those of earlier runs, bit for bit) and takes the chunked head on CUDA (never the whole logits,
+    no read back, traced by ``torch.compile``; liger-kernel's head reads its token count back once per
+    micro-batch, so it is a choice, not the default); logged once. ``liger`` runs where Triton does (CUDA, or
+    ``TRITON_INTERPRET=1``)."""
+    if how == "auto":
+        how = "chunked" if device.type == "cuda" else "plain"
+        if is_main:
+            log.info("fibattn: %s auto -> %s (%s)", field, how, "CUDA" if device.type == "cuda" else
+                     f"{device.type}: set {field}=chunked to hold less memory")
+    if how == "liger" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ConfigError(f"{field}=liger runs on CUDA (liger-kernel's Triton kernels), not on {device.type}; "
+                          f"set chunked or auto")
+    return how
+
+
+def compile_cache() -> str:
+    """Where torch.compile keeps what it compiled, said when a run compiles: a resumed or repeated run with
+    the same model reuses it (inductor's FX-graph and autograd caches) and compiles in seconds."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return f"inductor cache {cache_dir()}; TORCHINDUCTOR_CACHE_DIR moves it"
+    except (ImportError, OSError, RuntimeError):
+        return "inductor cache in torch's default folder"
 
 
 def accum_steps(cfg: RunConfig, world: int) -> int:

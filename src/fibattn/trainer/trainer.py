@@ -25,7 +25,6 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -45,31 +44,16 @@ from . import distributed as D
 from . import state as S
 from .grad_reduce import attach as attach_ordered_reduce
 from .init_weights import open_init
-from .batches import BatchForward, build_mesh, validation_losses
+from .batches import BatchForward, build_mesh, to_device, validation_losses
 from .logs import MetricSinks, ProgressBar, progress_line
+from .outcome import TrainingAborted, TrainResult, settle  # noqa: F401 (TrainingAborted: imported from here)
 from .optim import build_optimizer, lr_at, param_names, set_lr
 from .throughput import announce, eval_line, mfu
-from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, document_kwargs, load_data, lock_run,
-                    prepare_out_dir, run_lock_path, seed_all, set_threads, tokenizer_file, warn_disk_space)
+from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, compile_cache, compile_wanted,
+                    document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, run_lock_path, seed_all,
+                    set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
-
-
-class TrainingAborted(RuntimeError):
-    """Too many consecutive non-finite steps; the last good checkpoint is left intact."""
-
-
-@dataclass
-class TrainResult:
-    out_dir: Path
-    status: str                        # finished | stopped
-    step: int
-    tokens: int
-    losses: list = field(default_factory=list)        # (step, loss) of every step run by this call
-    val_loss: dict = field(default_factory=dict)       # split -> loss at the last evaluation
-    checkpoint: Path | None = None
-    skipped_steps: int = 0
-    elapsed_s: float = 0.0
 
 
 # ------------------------------------------------------------------------------ trainer
@@ -81,7 +65,8 @@ class Trainer:
         check_model_runs(cfg.model, dist.device, grad=True)
         self.mesh = build_mesh(cfg, dist)                # data x context parallel ranks
         self.accum = accum_steps(cfg, self.mesh.dp_size)
-        check_fits(cfg, dist.device)
+        self.loss_head = loss_head_for(t.loss_head, dist.device, dist.is_main)
+        check_fits(cfg, dist.device, self.loss_head)
         self.lock = None                             # the run folder's writer lock, taken in run()
         with D.together(dist, "checking train.out_dir"):
             if dist.is_main:                         # outputs are created in run(), once every input is checked
@@ -109,6 +94,7 @@ class Trainer:
                                   f"tokens in {getattr(self.data, 'path', 'the data')}): one step would read it "
                                   f"{t.batch_tokens / max(have, 1):.3g} times over; set train.batch_tokens <= {have}")
         self.model = FibLM(cfg.model).to(dist.device).set_activation_checkpointing(t.activation_checkpointing)
+        self.model.set_loss_head(self.loss_head)
         self.names = param_names(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, t)
@@ -152,7 +138,12 @@ class Trainer:
             log.info("fibattn: resumed from %s (step %d)", path, self.step)
 
     def wrap(self) -> None:
-        fwd = torch.compile(self.model) if self.cfg.train.compile else self.model
+        self.compiled = compile_wanted(self.cfg.train, self.dist.device, self.dist.is_main)
+        # fullgraph: a graph break would hand control back to Python mid-model on every step, which compiling
+        # is meant to remove (the custom ops trace whole); the inductor caches on disk make a resume quick
+        if self.compiled:
+            self.model.warm()
+        fwd = torch.compile(self.model, fullgraph=True) if self.compiled else self.model
         self.eval_model = fwd
         if self.dist.distributed:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -164,15 +155,19 @@ class Trainer:
         self.fwd = fwd
 
     # ------------------------------------------------------------------ one step
-    def train_step(self) -> tuple[float, float, bool]:
-        """One optimiser step; returns (loss, grad_norm, applied)."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One optimiser step, decided on the device: returns 0-d tensors (the loss summed over ranks, this
+        rank's grad norm, whether the update was applied) that nothing here reads back, so the host runs
+        ahead of the GPU (:meth:`_settle` reads them, at log, eval and checkpoint steps). A non-finite loss or
+        grad norm skips the update inside the fused AdamW kernel (its ``found_inf``, as ``GradScaler`` uses
+        it): the weights, moments and step count stay as they were."""
         self.fwd.train()
         set_lr(self.opt, lr_at(self.step, self.cfg.train))
-        loss_sum = torch.zeros((), device=self.dist.device, dtype=torch.float32)
+        device = self.dist.device
+        loss_sum = torch.zeros((), device=device, dtype=torch.float32)
         for i in range(self.accum):
             x, y = self.loader.next()
-            x = torch.as_tensor(x).to(self.dist.device, non_blocking=True)
-            y = torch.as_tensor(y).to(self.dist.device, non_blocking=True)
+            x, y = to_device(x, device), to_device(y, device)
             sync = self.dist.distributed and i < self.accum - 1
             with (self.fwd.no_sync() if sync else contextlib.nullcontext()):
                 with self.autocast():
@@ -184,16 +179,27 @@ class Trainer:
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip).float()
         flags = torch.stack([loss_sum / self.accum, (~torch.isfinite(gnorm)).float(),
-                             torch.tensor(float(self.stop_requested), device=self.dist.device)])
+                             torch.full((), float(self.stop_requested), device=device)])
         D.all_reduce_sum(self.dist, flags)
-        loss_v, bad_norm, stop = flags.tolist()
-        loss_v /= self.dist.world_size
-        self.stop_agreed = stop > 0          # every rank sees the same value: no rank leaves the loop alone
-        ok = math.isfinite(loss_v) and bad_norm == 0
-        if ok:
+        ok = torch.isfinite(flags[0]) & (flags[1] == 0)
+        self.opt.found_inf = (~ok).float()
+        try:
             self.opt.step()
+        finally:
+            self.opt.found_inf = None
         self.opt.zero_grad(set_to_none=True)
-        return loss_v, float(gnorm), ok
+        self._agree_on_stop(flags[2])
+        return flags[0], gnorm, ok
+
+    def _agree_on_stop(self, stop: torch.Tensor) -> None:
+        """Whether every rank stops now. One process reads its own flag; under torchrun the ranks' all-reduced
+        flags are read one step late (by then that step is done, so the read does not stall the queue), and
+        every rank reads the same value: no rank leaves the loop alone."""
+        if not self.dist.distributed:
+            self.stop_agreed = self.stop_requested
+            return
+        before, self._stop_flag = getattr(self, "_stop_flag", None), stop
+        self.stop_agreed = before is not None and bool(before > 0)
 
     def evaluate(self) -> dict[str, float]:
         return validation_losses(self)
@@ -261,6 +267,9 @@ class Trainer:
             sinks.log(self.step, values)
             bar.println(eval_line(self.step, val, self.data, self.cfg))
 
+    def _settle(self, pending: list, sinks, result: TrainResult, bar: ProgressBar) -> float:
+        return settle(self, pending, sinks, result, bar)
+
     def _loop(self, sinks, stop_at: int | None) -> TrainResult:
         t, dist = self.cfg.train, self.dist
         total, tokens_per_step = t.steps, t.batch_tokens
@@ -269,7 +278,12 @@ class Trainer:
         learned = self.cfg.model.attention == "sparse" and self.cfg.model.schedule == "learned"
         win = self.window                    # loss/time window since the last progress line (saved in checkpoints)
         last_saved = self.resumed_from
-        while self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_agreed:
+        pending: list = []                   # (step, loss, grad norm, applied) on the device, not read yet
+        shown_loss = float("nan")            # the progress bar's loss: the last one read
+
+        def going() -> bool:
+            return self.step < total and (stop_at is None or self.step < stop_at) and not self.stop_agreed
+        while going():
             t0 = time.perf_counter()
             loss, gnorm, ok = self.train_step()
             dt = time.perf_counter() - t0
@@ -279,39 +293,31 @@ class Trainer:
             self.elapsed += dt
             win["time"] += dt
             win["steps"] += 1
-            result.losses.append((self.step, loss))
-            if ok:
-                self.bad = 0
-                win["loss"] += loss
-                win["n"] += 1
-            else:
-                self.bad += 1
-                self.skipped += 1
-                bar.println(f"step {self.step}/{total} | skipped: non-finite loss {loss} or grad_norm {gnorm} "
-                            f"({self.bad} in a row, limit train.max_bad_steps={t.max_bad_steps})")
-                if sinks is not None:
-                    sinks.log(self.step, {"skipped": 1.0})
-                if self.bad >= t.max_bad_steps:
-                    newest = S.ck.latest_valid(S.ck.ckpt_root(self.out)) if dist.is_main else None
-                    raise TrainingAborted(
-                        f"{self.bad} consecutive non-finite steps (last at step {self.step}: loss={loss}, "
-                        f"grad_norm={gnorm}); aborting. Last good checkpoint: {newest or 'none'}. Lower train.lr, "
-                        f"check the data, or raise train.max_bad_steps")
+            pending.append((self.step, loss, gnorm, ok))
+            if self.compiled and len(result.losses) + len(pending) == 1 and dist.is_main:
+                log.info("fibattn: first step %.1f s, compiling the model's forward and backward included (%s)",
+                         dt, compile_cache())
+            log_now = self.step % t.log_every == 0 or self.step == total
+            eval_now = bool(t.eval_every) and self.step % t.eval_every == 0 and self.step != total
+            ckpt_now = self.step % t.ckpt_every == 0 and self.step != total
+            if log_now or eval_now or ckpt_now or not going():     # every other step leaves the device alone
+                gnorm_v = self._settle(pending, sinks, result, bar)
+                shown_loss = result.losses[-1][1]
             eta = (total - self.step) * (win["time"] / max(win["steps"], 1))
-            bar.update(self.step, loss, eta)
-            if self.step % t.log_every == 0 or self.step == total:
+            bar.update(self.step, shown_loss, eta)
+            if log_now:
                 mean = win["loss"] / win["n"] if win["n"] else float("nan")
                 tok_s = win["steps"] * tokens_per_step / max(win["time"], 1e-9)
                 util = mfu(tok_s, self.flops, self.peak, dist.world_size)
-                bar.println(progress_line(self.step, total, mean, lr, gnorm, tok_s, eta, util))
+                bar.println(progress_line(self.step, total, mean, lr, gnorm_v, tok_s, eta, util))
                 if sinks is not None:
-                    sinks.log(self.step, {"loss": mean, "lr": lr, "grad_norm": gnorm, "tok_s": tok_s,
+                    sinks.log(self.step, {"loss": mean, "lr": lr, "grad_norm": gnorm_v, "tok_s": tok_s,
                                           "tokens": float(self.tokens), **({"mfu": util} if util else {})},
                               alphas=self.model.alphas() if learned else None)
                 win.update(S.new_window())
-            if t.eval_every and self.step % t.eval_every == 0 and self.step != total:
+            if eval_now:
                 self._log_eval(sinks, result, bar)
-            if self.step % t.ckpt_every == 0 and self.step != total:
+            if ckpt_now:
                 last_saved = self.save()
             if sinks is not None and sinks.db_error is not None:
                 self.stop_requested = True   # stop at the next step boundary, with a checkpoint (all ranks agree)
