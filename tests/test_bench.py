@@ -102,6 +102,12 @@ def test_bench_train_reports_peak_memory_and_mfu_on_cuda(monkeypatch):
     assert "warm-up s" in text and "1.50" in text and "4 " in text
 
 
+def test_bench_train_compiled_only_with_checkpointing_is_refused(capsys):
+    assert cli_main(["bench", "train", "--compiled-only", "--activation-checkpointing", "full"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--compiled-only" in err[0] and "--compile" in err[0]
+
+
 def test_bench_train_interleave_syncs_only_on_cuda(monkeypatch):
     order = []
     monkeypatch.setattr(bt, "_sync", lambda dev: order.append("sync"))

@@ -362,6 +362,9 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing == "full"
+    if checkpointing and args.compiled_only:
+        raise ConfigError("--compiled-only times dense against sparse; --activation-checkpointing full times the "
+                          "sparse model's modes against each other: use --compile with it instead")
     common = (lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device, args.schedule,
               args.compile, args.documents)
     rows = (bench_checkpointing(*common, loss_head=args.loss_head) if checkpointing else
