@@ -40,7 +40,7 @@ import torch
 
 from ..checks import parse_int_list
 from ..config import ACTIVATION_CHECKPOINTING, ConfigError
-from ..model.head_loss import chunk_rows
+from ..model.head_loss import logit_rows
 from ..model.lm import FibLM
 from ..presets import get_preset
 from ..trainer.setup import loss_head_for
@@ -187,9 +187,8 @@ def _check_fit(lengths, tokens: int, preset: str, window: int, backend: str, dev
                loss_head: str = "plain") -> None:
     for T in lengths:                        # every length is checked before the first is timed
         cfg = variant(preset, "dense", T, window, backend)
-        rows = None if loss_head == "plain" else chunk_rows(cfg.vocab_size)
         check_training_fits(cfg, max(1, tokens // T), dev.type == "cuda", dev, flags="--tokens / --lengths",
-                            logit_rows=rows)
+                            logit_rows=logit_rows(loss_head, cfg.vocab_size))
 
 
 def _timed(built: dict, steps: int, dev: torch.device, tokens_per_step: int) -> dict:
@@ -365,11 +364,12 @@ def run(args) -> int:
     if checkpointing and args.compiled_only:
         raise ConfigError("--compiled-only times dense against sparse; --activation-checkpointing full times the "
                           "sparse model's modes against each other: use --compile with it instead")
-    common = (lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device, args.schedule,
-              args.compile, args.documents)
-    rows = (bench_checkpointing(*common, loss_head=args.loss_head) if checkpointing else
-            bench(*common[:-2], args.compile or args.compiled_only, args.documents, loss_head=args.loss_head,
-                  dense_sdpa=args.dense_sdpa, eager=not args.compiled_only))
+    common = (lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device, args.schedule)
+    if checkpointing:
+        rows = bench_checkpointing(*common, args.compile, args.documents, loss_head=args.loss_head)
+    else:
+        rows = bench(*common, args.compile or args.compiled_only, args.documents, loss_head=args.loss_head,
+                     dense_sdpa=args.dense_sdpa, eager=not args.compiled_only)
     if args.json:
         print(json.dumps({"preset": args.preset, "window": args.window, "schedule": args.schedule,
                           "device": args.device, "threads": torch.get_num_threads(), "steps": args.steps,

@@ -29,6 +29,12 @@ def chunk_rows(vocab: int) -> int:
     return max(64, LOGITS_PER_CHUNK // max(vocab, 1) // 64 * 64)
 
 
+def logit_rows(how: str, vocab: int) -> int | None:
+    """The most rows of logits the ``how`` head holds at once, None for all of them (plain): what the memory
+    checks count (:func:`fibattn.validation.check_training_fits`'s ``logit_rows``)."""
+    return None if how == "plain" else chunk_rows(vocab)
+
+
 def liger_available() -> bool:
     try:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401

@@ -18,7 +18,7 @@ from .. import config as C
 from .. import validation as V
 from ..config import ConfigError, RunConfig
 from ..files import make_parents
-from ..model.head_loss import chunk_rows
+from ..model.head_loss import logit_rows
 from . import distributed as D
 from .logs import is_metrics_log
 
@@ -61,9 +61,8 @@ def check_fits(cfg: RunConfig, device: torch.device, loss_head: str = "plain") -
     """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate."""
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
-    rows = None if loss_head == "plain" else chunk_rows(cfg.model.vocab_size)
     V.check_training_fits(cfg.model, t.micro_batch, bf16, device, checkpointing=t.activation_checkpointing,
-                          context=t.context_parallel, logit_rows=rows)
+                          context=t.context_parallel, logit_rows=logit_rows(loss_head, cfg.model.vocab_size))
 
 
 def warn_disk_space(path: Path, n_params: int, keep: int) -> None:
