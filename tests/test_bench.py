@@ -298,8 +298,26 @@ def test_generate_repeats_prefill_and_labels_threads(monkeypatch, one_thread):
     assert "threads" in text.splitlines()[0] and "median of 3 interleaved runs" in text
 
 
+def test_generate_times_the_static_step_of_a_batch(capsys, one_thread):
+    """``--decode static --batch 3``: the static engine is what is timed (tokens/s counts every row), the
+    run's settings say so, and a dense layer's cache is whole from the start."""
+    assert cli_main(["bench", "generate", "--shapes", "tiny", "--contexts", "16,32", "--prefill", "32", "--steps",
+                     "2", "--reps", "1", "--prefill-reps", "1", "--decode-threads", "1", "--decode", "static",
+                     "--batch", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["decode"] == "static" and doc["settings"]["batch"] == 3
+    dec = [r for r in doc["results"] if "decode_ms" in r]
+    assert {(r["variant"], r["context"]) for r in dec} == {(v, c) for v in bg.VARIANTS for c in (16, 32)}
+    for r in dec:
+        assert r["decode"] == "static" and r["batch"] == 3
+        assert r["decode_tok_s"] == pytest.approx(3e3 / r["decode_ms"])
+    dense = {r["context"]: r["cache_bytes"] for r in dec if r["variant"] == "dense"}
+    assert dense[16] < dense[32]                     # sized to the context, not grown from 256 rows
+
+
 @pytest.mark.parametrize("argv, flag", [(["--decode-threads", "a"], "--decode-threads"),
-                                        (["--prefill-reps", "0"], "--prefill-reps")])
+                                        (["--prefill-reps", "0"], "--prefill-reps"),
+                                        (["--batch", "0"], "--batch")])
 def test_generate_rejects_bad_thread_and_rep_flags(argv, flag, capsys):
     assert cli_main(["bench", "generate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()

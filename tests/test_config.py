@@ -47,7 +47,7 @@ def test_bad_overrides(item, needle):
     ("model.base=custom", "model.base_values"),
     ("model.seq_len=0", "model.seq_len"),
     ("train.lr=0", "train.lr"),
-    ("train.micro_batch=0", "train.micro_batch"),
+    ("train.micro_batch=-1", "train.micro_batch"),
     ("train.batch_tokens=1000", "train.batch_tokens"),
     ("train.device=tpu", "train.device"),
     ("train.precision=fp8", "train.precision"),

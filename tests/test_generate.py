@@ -8,7 +8,8 @@ from fibattn.config import ModelConfig
 from fibattn.data.tokenizers import ByteTokenizer
 from fibattn.cli import generate as cli_generate
 from fibattn.cli.generate import run
-from fibattn.generation.decode import DecodeSession, Sampling, TextStream, generate, generate_tokens, sample
+from fibattn.generation.decode import DecodeSession, Sampling, generate, generate_tokens, sample
+from fibattn.generation.text import TextStream
 from fibattn.model.lm import FibLM
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,18 +14,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def quick_summary(tmp_path, only):
+    """Runs ``gpu_check.py --quick --only ONLY`` (compiled, not interpreted) and returns its summary, errors
+    refused."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only", only,
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary.get("errors"), summary.get("errors")
+    return summary
+
+
 def test_quick_check_runs_on_cpu(tmp_path):
     try:
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only",
-                          "attention,cpu,static", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
-                         timeout=400, cwd=ROOT)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert not summary.get("errors"), summary.get("errors")
+    summary = quick_summary(tmp_path, "attention,cpu,static")
     assert {s["status"] for s in summary["steps"].values()} == {"ok"}, summary["steps"]
     paths = {x["path"] for x in summary["attention"]["records"]}
     assert {"dense", "integer", "interpolated"} <= paths, paths
@@ -49,12 +55,7 @@ def test_quick_check_runs_on_cpu(tmp_path):
 def test_quick_train_bench_step_runs_on_cpu(tmp_path):
     """Issue 54's step: both models compiled (inductor, on the CPU here), tok/s, sparse/dense and the compile
     time cold, then warm from the same inductor cache in a second process."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--quick", "--only", "train_bench",
-                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=400, cwd=ROOT)
-    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert not summary.get("errors"), summary.get("errors")
+    summary = quick_summary(tmp_path, "train_bench")
     assert [s["status"] for s in summary["steps"].values()] == ["ok", "ok"], summary["steps"]
     row = summary["train_bench"][0]
     assert row["compiled"] is True and row["ratio"] > 0 and row["dense_warmup_s"] > 0
@@ -63,3 +64,19 @@ def test_quick_train_bench_step_runs_on_cpu(tmp_path):
     assert goals["train compile s warm (worst variant)"]["measured"] > 0
     assert goals["train compiled sparse/dense at 16384"]["goal"] == ">= 3.0"
     assert summary["ratios"]["train compiled sparse/dense at 64"] > 0
+
+
+def test_quick_generate_step_runs_on_cpu(tmp_path):
+    """Issue 55's step: the four decode runs (contexts, the long one, the compiled step at batch 1 and 64; static
+    in --quick) and prefill, each giving its goal's number."""
+    summary = quick_summary(tmp_path, "generate")
+    assert list(summary["steps"]) == ["bench_generate", "bench_generate_long", "bench_generate_compiled",
+                                      "bench_generate_batch64"]
+    assert all(s["status"] == "ok" for s in summary["steps"].values()), summary["steps"]
+    goals = summary["goals"]
+    for key in ("decode sparse tok/s batch 1 (worst context and variant)", "decode sparse tok/s batch 64 (worst "
+                "variant)"):
+        assert goals[key]["measured"] > 0
+    assert goals["decode sparse tok/s batch 64 (worst variant)"]["goal"] == ">= 30000.0"
+    batch = summary["generate"]["bench_generate_batch64"]["settings"]
+    assert batch["batch"] == 64 and batch["decode"] == "static"

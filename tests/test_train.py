@@ -161,11 +161,14 @@ def test_config_errors(tmp_path, data_dir):
                                                       ("tiny", 2, 8, 1), ("tiny", 3, None, None)])
 def test_micro_batch_follows_the_world_size_and_keeps_the_global_batch(preset, world, micro, accum):
     from fibattn.presets import get_preset
+    from fibattn.trainer.micro_batch import FALLBACK
     cfg = get_preset(preset)
     if micro is None:                        # 4096 tokens of 256 cannot split over 3 processes
         with pytest.raises(ConfigError, match="world_size"):
             accum_steps(cfg, world)
         return
+    if cfg.train.micro_batch == 0:           # auto: what a CPU takes (tests/test_micro_batch_auto.py tries CUDA's)
+        cfg.train.micro_batch = FALLBACK
     assert accum_steps(cfg, world) == accum and cfg.train.micro_batch == micro
     assert accum * micro * cfg.model.seq_len * world == cfg.train.batch_tokens
 

@@ -13,7 +13,9 @@ remaining steps are skipped and say so):
    tok/s, MFU, peak memory, sparse ÷ dense, compile time cold, then warm from the same inductor cache;
 4. a 200-step training run of the paper model shape, dense and fib-linear (W=12), on
    the bundled corpus (byte tokens, the paper's 32768-entry embedding): tok/s and loss;
-5. ``fibattn bench generate --device cuda --shapes paper --json``;
+5. ``fibattn bench generate --device cuda --shapes paper --json``: the captured static decode step at
+   contexts 1K / 16K / 64K (every variant, prefill 4K / 16K / 64K) and 1M (sparse), the compiled step at 16K
+   with batch 1 and 64: tokens/s against issue 55's goals;
 6. issue 29's CPU goals on this machine's own CPU (a GPU host's is likely to have AVX-512, the
    cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
    attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K): the share of the
@@ -51,8 +53,11 @@ GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B
     "train compiled sparse/dense at 16384": 3.0, "train compiled sparse ktok/s at 1024": 800.0,
     "train compiled sparse ktok/s at 4096": 700.0,
 }
-MAX_GOALS = {"interpolated/integer (worst length)": 1.5, "train compile s cold (worst variant)": 90.0,
-             "train compile s warm (worst variant)": 15.0}
+GOALS.update({"decode sparse tok/s batch 1 (worst context and variant)": 1000.0,   # issue 55
+              "decode sparse tok/s batch 64 (worst variant)": 30000.0,
+              "prefill dense/sparse at 4096": 1.2, "prefill dense/sparse at 16384": 3.0})
+MAX_GOALS = {"prefill sparse ms at 16384": 8.0, "interpolated/integer (worst length)": 1.5,
+             "train compile s cold (worst variant)": 90.0, "train compile s warm (worst variant)": 15.0}
 TRAIN_LENGTHS = (1024, 4096, 16384)
 CPU_LENGTHS = (4096, 16384)      # issue 29: fp32, B=1, H=Hkv=8, Dh=64, 2 threads, on the host's CPU
 for _T in CPU_LENGTHS:
@@ -232,15 +237,49 @@ def training(r: Runner, summary: dict) -> None:
             result["fib_linear"]["tok_s_median"] / result["dense"]["tok_s_median"])
 
 
+GEN_CONTEXTS = (1024, 16384, 65536)        # issue 55: every variant; sparse also at GEN_LONG
+GEN_LONG = 1 << 20
+GEN_PREFILL = (4096, 16384, 65536)
+
+
 def generate(r: Runner, summary: dict) -> None:
-    args = ["bench", "generate", "--device", r.device, "--shapes", "paper", "--contexts", "1024,16384,65536",
-            "--prefill", "4096,16384", "--json", "--prefill-layers", "16"]
+    """Decode tokens/s (the captured static step; the compiled one at 16K, batch 1 and 64) and prefill, paper
+    shape: issue 55's goals."""
+    shape, ctxs, long_ctx = "paper", ",".join(map(str, GEN_CONTEXTS)), str(GEN_LONG)
+    pre = ",".join(map(str, GEN_PREFILL))
+    extra = ["--steps", "20", "--prefill-layers", "16"]
     if r.quick:
-        args = ["bench", "generate", "--device", r.device, "--shapes", "tiny", "--contexts", "64,256",
-                "--prefill", "128", "--steps", "1", "--reps", "1", "--json"]
-    out = r.run("bench_generate", _fibattn(*args), 180)
-    if out:
-        summary["generate"] = json.loads(out)["ratios"]
+        shape, ctxs, long_ctx, pre, extra = "tiny", "64,256", "1024", "128", ["--steps", "1", "--reps", "1"]
+    base = ["bench", "generate", "--device", r.device, "--shapes", shape, "--json"]
+    runs = {"bench_generate": base + ["--contexts", ctxs, "--prefill", pre, "--decode", "static", *extra],
+            "bench_generate_long": base + ["--contexts", long_ctx, "--prefill", "", "--variants", "static,learned",
+                                           "--decode", "static", *extra],
+            "bench_generate_compiled": base + ["--contexts", ctxs.split(",")[1], "--prefill", "", "--variants",
+                                               "static,learned", "--decode", "compiled", *extra],
+            "bench_generate_batch64": base + ["--contexts", ctxs.split(",")[1], "--prefill", "", "--variants",
+                                              "static,learned", "--decode", "compiled", "--batch", "64", *extra]}
+    got = summary.setdefault("ratios", {})
+    for name, args in runs.items():
+        if r.quick:              # the compile's plumbing is tests/test_decode_static.py's, not a minute of CPU here
+            args = ["static" if a == "compiled" else a for a in args]
+        out = r.run(name, _fibattn(*args), 150)
+        if not out:
+            continue
+        doc = json.loads(out)
+        summary.setdefault("generate", {})[name] = doc
+        dec = [x for x in doc["results"] if "decode_tok_s" in x]
+        sparse = [x["decode_tok_s"] for x in dec if x["variant"] != "dense"]
+        if sparse and name != "bench_generate_batch64":
+            key = "decode sparse tok/s batch 1 (worst context and variant)"
+            got[key] = min(sparse + ([got[key]] if key in got else []))
+        elif sparse:
+            got["decode sparse tok/s batch 64 (worst variant)"] = min(sparse)
+        pre_s = {(x["variant"], x["context"]): x["prefill_s"] for x in doc["results"] if "prefill_s" in x}
+        for T in (4096, 16384):
+            if ("dense", T) in pre_s and ("static", T) in pre_s:
+                got[f"prefill dense/sparse at {T}"] = pre_s["dense", T] / pre_s["static", T]
+        if ("static", 16384) in pre_s:
+            got["prefill sparse ms at 16384"] = pre_s["static", 16384] * 1e3
 
 
 def sweep(r: Runner, summary: dict) -> None:

@@ -133,7 +133,8 @@ class TrainConfig:
     out_dir: str = setting("runs/run", "the run folder (checkpoints, metrics, config.json)")
     steps: int = setting(13000, "optimiser steps")
     batch_tokens: int = setting(32768, "global tokens per optimiser step (a multiple of micro_batch * seq_len)")
-    micro_batch: int = setting(8, "sequences per forward on each rank")
+    micro_batch: int = setting(0, "sequences per forward on each rank; 0 (auto): on CUDA the largest that fits "
+                               "(one trial step each), 8 elsewhere")
     lr: float = setting(3e-4, "peak learning rate (cosine decay after the warm-up)")
     min_lr_ratio: float = setting(0.1, "final learning rate as a fraction of lr")
     warmup_steps: int = setting(300, "linear warm-up steps (cut to steps when a preset's is longer than the run)")

@@ -35,7 +35,7 @@ def paper() -> RunConfig:
         model=ModelConfig(),
         data=DataConfig(out_dir="data/paper-bpe32k", sources=study_mixture(), tokenizer="bpe",
                         vocab_size=32768, val_fraction=0.005),
-        train=TrainConfig(out_dir="runs/paper", micro_batch=8),
+        train=TrainConfig(out_dir="runs/paper"),        # micro_batch auto: the largest that fits on CUDA
         eval=EvalConfig(lengths=[1024, 2048, 4096], tokens=1 << 20),
     )
 

@@ -224,10 +224,10 @@ def validate_train(t: TrainConfig) -> None:
     t.compile = switch_value(t.compile)          # true/false as JSON booleans or --set's boolean words
     _check_types(t, s)
     _need(t.out_dir.strip() != "", "train.out_dir must name a folder, got ''")
-    for name in ("steps", "batch_tokens", "micro_batch", "log_every", "ckpt_every", "keep_ckpts",
+    for name in ("steps", "batch_tokens", "log_every", "ckpt_every", "keep_ckpts",
                  "max_bad_steps", "eval_tokens", "context_parallel"):
         _int_at_least(t, s, name, 1)
-    for name in ("warmup_steps", "eval_every", "threads", "seed"):
+    for name in ("warmup_steps", "eval_every", "threads", "seed", "micro_batch"):     # micro_batch 0: auto
         _int_at_least(t, s, name, 0)
     _num_in(t, s, "lr", 0, 10, lo_open=True)
     _num_in(t, s, "min_lr_ratio", 0, 1)
@@ -329,10 +329,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     validate_data(cfg.data)
     validate_train(cfg.train)
     validate_eval(cfg.eval)
-    tokens_per_micro = cfg.train.micro_batch * cfg.model.seq_len
+    mb = cfg.train.micro_batch                 # 0 (auto) is chosen among the divisors later
+    tokens_per_micro = max(mb, 1) * cfg.model.seq_len
+    per = f"train.micro_batch * model.seq_len ({tokens_per_micro})" if mb else f"model.seq_len ({tokens_per_micro})"
     _need(cfg.train.batch_tokens % tokens_per_micro == 0,
-          f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of "
-          f"train.micro_batch * model.seq_len ({tokens_per_micro})")
+          f"train.batch_tokens ({cfg.train.batch_tokens}) must be a multiple of {per}")
     P = cfg.train.context_parallel
     _need(cfg.model.seq_len % P == 0, f"model.seq_len ({cfg.model.seq_len}) must be divisible by "
           f"train.context_parallel ({P}): each rank of a context group takes an equal chunk")

@@ -42,6 +42,8 @@ import torch
 from ..config import ConfigError
 from ..generation.decode import DecodeSession
 from ..generation.kvcache import layer_read_plan
+from ..generation.sampling import Sampling
+from ..generation.static import DECODE_MODES, StaticStep, resolve_decode
 from ..model.lm import FibLM
 from ..presets import get_preset
 from ..validation import check_sizes_fit, estimate_params
@@ -50,12 +52,12 @@ VARIANTS = ("dense", "static", "learned")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _list(text: str, name: str, kind=int, allowed=None) -> list:
+def _list(text: str, name: str, kind=int, allowed=None, empty: bool = False) -> list:
     try:
         vals = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ConfigError(f"{name} must be a comma-separated list, got {text!r}") from None
-    if not vals:
+    if not vals and not empty:
         raise ConfigError(f"{name} must not be empty")
     if allowed is not None and any(v not in allowed for v in vals):
         raise ConfigError(f"{name} values must be among {', '.join(allowed)}, got {text!r}")
@@ -66,7 +68,7 @@ def _list(text: str, name: str, kind=int, allowed=None) -> list:
 
 def configure_parser(parser) -> None:
     parser.add_argument("--contexts", default="1024,4096,16384,65536", help="decode contexts")
-    parser.add_argument("--prefill", default="4096,16384", help="prefill lengths (empty list not allowed)")
+    parser.add_argument("--prefill", default="4096,16384", help="prefill lengths ('': decode only)")
     parser.add_argument("--shapes", default="tiny,paper", help="model shapes: tiny, paper")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="dense, static, learned")
     parser.add_argument("--steps", type=int, default=6, help="timed decode tokens per block (default 6)")
@@ -83,6 +85,10 @@ def configure_parser(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda[:N] (default cpu)")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="weights and caches (default float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--decode", default="auto", choices=DECODE_MODES,
+                        help="the decode step timed: eager | static | compiled (fibattn.generation.static; a CUDA "
+                             "graph on CUDA) | auto (default: compiled on CUDA, eager elsewhere)")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1); tokens/s counts all")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -129,29 +135,37 @@ def thread_candidates(spec, device="cpu") -> list[int]:
 
 
 @torch.no_grad()
-def decode_latency(models: dict, contexts: list[int], steps: int, reps: int, threads=0) -> dict:
+def decode_latency(models: dict, contexts: list[int], steps: int, reps: int, threads=0, *, decode: str = "eager",
+                   batch: int = 1) -> dict:
     """``{(variant, context): (best ms per token, cache bytes, threads)}``, interleaved; each block
     runs at every candidate in ``threads`` (see :func:`thread_candidates`) and each
-    (variant, context) keeps its fastest."""
+    (variant, context) keeps its fastest. ``decode``: the step timed (eager, static or compiled); ``batch``
+    rows step together (the time is per step, every row a token)."""
     before = torch.get_num_threads()
     device = next(iter(models.values())).embed.weight.device
     candidates = thread_candidates(threads, device)
     try:
-        return _decode_latency(models, contexts, steps, reps, candidates)
+        return _decode_latency(models, contexts, steps, reps, candidates, decode, batch)
     finally:
         torch.set_num_threads(before)
 
 
-def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, candidates: list[int]) -> dict:
+def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, candidates: list[int],
+                    decode: str, batch: int) -> dict:
     gen = torch.Generator().manual_seed(0)
-    sessions = {}
+    sessions, stepping = {}, {}
     per_block = steps + 1                            # one untimed token per block
+    token = torch.zeros(batch, dtype=torch.long)
     for name, model in models.items():
         for ctx in contexts:
-            s = DecodeSession(model, 1, ctx + (reps + 1) * len(candidates) * per_block + 2, size_flag="--contexts")
+            s = DecodeSession(model, batch, ctx + (reps + 1) * len(candidates) * per_block + 2,
+                              size_flag="--contexts", static=decode != "eager")
+            if decode == "eager":
+                stepping[name, ctx] = lambda s=s: s.step(token)
+            else:                                   # captured before the history: the capture clears the caches
+                stepping[name, ctx] = StaticStep(s, Sampling(0.0), set(), compiled=decode == "compiled").advance
             s.random_history(ctx, gen)
             sessions[name, ctx] = s
-    token = torch.zeros(1, dtype=torch.long)
     times: dict = {(key, th): [] for key in sessions for th in candidates}
     for rep in range(reps + 1):                   # rep 0 warms up
         for ctx in contexts:
@@ -160,11 +174,12 @@ def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, ca
                 for th in candidates:
                     if torch.get_num_threads() != th:
                         torch.set_num_threads(th)
-                    s.step(token)                 # untimed: the pool wakes up at this count
+                    step = stepping[name, ctx]
+                    step()                        # untimed: the pool wakes up at this count
                     _sync(s.device)
                     t0 = time.perf_counter()
                     for _ in range(steps):
-                        s.step(token)
+                        step()
                     _sync(s.device)
                     if rep:
                         times[(name, ctx), th].append((time.perf_counter() - t0) / steps * 1e3)
@@ -219,15 +234,16 @@ def prefill_time(model: FibLM, length: int, layers: int) -> tuple[float, float, 
 
 def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> list[dict]:
     models = {v: build(shape, v, args.device, DTYPES[args.dtype]) for v in variants}
-    lat = decode_latency(models, contexts, args.steps, args.reps, args.decode_threads)
+    batch, lat_mode = getattr(args, "batch", 1), getattr(args, "decode", "eager")
+    lat = decode_latency(models, contexts, args.steps, args.reps, args.decode_threads, decode=lat_mode, batch=batch)
     records = {}
     for (v, ctx), (ms, nbytes, th) in lat.items():
         records[v, ctx] = dict(shape=shape, variant=v, context=ctx, decode_ms=ms, cache_bytes=nbytes,
-                               decode_threads=th)
+                               decode_threads=th, decode_tok_s=batch * 1e3 / ms, decode=lat_mode, batch=batch)
         if v != "dense":        # from this context on the distance sets (and rings) stop growing
             records[v, ctx]["full_set_context"] = full_set_context(models[v])
     reps = getattr(args, "prefill_reps", 3)
-    for v in variants:                 # warm-up: kernel build / load, RoPE tables
+    for v in variants if prefill else ():      # warm-up: kernel build / load, RoPE tables
         prefill_time(models[v], 64, args.prefill_layers)
     runs: dict = {(v, length): [] for length in prefill for v in variants}
     for _ in range(reps):              # interleaved: load from other processes hits every variant alike
@@ -286,23 +302,27 @@ def _goal(key: str, value) -> str:
 
 
 def format_table(records: list[dict], rat: dict, candidates: list[int] | None = None) -> str:
-    head = (f"{'shape':<6} {'variant':<8} {'context':>8} {'decode ms/tok':>14} {'threads':>7} {'cache MiB':>10} "
-            f"{'prefill s':>10} {'(attn s)':>9}")
+    head = (f"{'shape':<6} {'variant':<8} {'context':>8} {'decode ms/tok':>14} {'tok/s':>9} {'threads':>7} "
+            f"{'cache MiB':>10} {'prefill s':>10} {'(attn s)':>9}")
     lines = [head, "-" * len(head)]
     for r in records:
         ms = f"{r['decode_ms']:.2f}" if "decode_ms" in r else "-"
+        tps = f"{r['decode_tok_s']:.0f}" if "decode_tok_s" in r else "-"
         thr = str(r["decode_threads"]) if "decode_threads" in r else "-"
         mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
         pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
         core = f"{r['prefill_attn_s']:.2f}" if "prefill_attn_s" in r else "-"
         if "prefill_s" in r and r["prefill_layers_run"] < r["n_layers"]:
             pre += "*"
-        lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {thr:>7} {mib:>10} {pre:>10} "
-                     f"{core:>9}")
+        lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {tps:>9} {thr:>7} {mib:>10} "
+                     f"{pre:>10} {core:>9}")
     if any(r.get("prefill_layers_run", 0) < r.get("n_layers", 0) for r in records):
         lines.append("* prefill timed on a subset of the blocks and scaled to the full depth")
+    dec = next((r for r in records if "decode" in r), None)
     lines.append("decode: best of the interleaved blocks, random cached keys/values at position context-1 "
-                 "(no prefill run); threads: the CPU thread count of that best block")
+                 "(no prefill run); threads: the CPU thread count of that best block"
+                 + (f"; the {dec['decode']} step, {dec['batch']} row(s) a step (tok/s counts every row)"
+                    if dec else ""))
     if candidates:
         lines.append(f"decode thread counts tried per variant and context: {', '.join(map(str, candidates))}")
     pre = [r for r in records if "prefill_s" in r]
@@ -328,7 +348,8 @@ def _check_fits(shape: str, variants: list[str], contexts: list[int], prefill: l
     item = DTYPES[args.dtype].itemsize
     weights, kv = estimate_params(m) * item, 2 * m.n_kv_heads * m.head_dim * item
     if "dense" in variants:
-        check_sizes_fit("--contexts", contexts, lambda c: weights + c * m.n_layers * kv,
+        rows = getattr(args, "batch", 1)
+        check_sizes_fit("--contexts", contexts, lambda c: weights + rows * c * m.n_layers * kv,
                         f"the {shape} model's weights and dense key/value cache ({args.dtype})", args.device)
     check_sizes_fit("--prefill", prefill, lambda T: weights + T * (2 * m.d_model * item + kv),
                     f"the {shape} model's weights and one block's prefill activations ({args.dtype})", args.device)
@@ -336,11 +357,11 @@ def _check_fits(shape: str, variants: list[str], contexts: list[int], prefill: l
 
 def run(args) -> int:
     contexts = _list(args.contexts, "--contexts")
-    prefill = _list(args.prefill, "--prefill")
+    prefill = _list(args.prefill, "--prefill", empty=True)
     shapes = _list(args.shapes, "--shapes", str, ("tiny", "paper"))
     variants = [v for v in VARIANTS if v in _list(args.variants, "--variants", str, VARIANTS)]
     thread_candidates(args.decode_threads, "cpu")            # checks the list before any work
-    for name in ("steps", "reps", "prefill_layers", "prefill_reps"):
+    for name in ("steps", "reps", "prefill_layers", "prefill_reps", "batch"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
     if args.threads < 0:
@@ -350,6 +371,7 @@ def run(args) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.decode = resolve_decode(args.decode, torch.device(args.device))
     for shape in shapes:
         _check_fits(shape, variants, contexts, prefill, args)
     if args.threads:
@@ -363,7 +385,8 @@ def run(args) -> int:
         settings = dict(contexts=contexts, prefill=prefill, shapes=shapes, variants=variants, steps=args.steps,
                         reps=args.reps, prefill_layers=args.prefill_layers, threads=torch.get_num_threads(),
                         decode_thread_candidates=candidates, decode_thread_search=len(candidates) > 1,
-                        prefill_reps=args.prefill_reps, device=args.device, dtype=args.dtype,
+                        prefill_reps=args.prefill_reps, device=args.device, dtype=args.dtype, decode=args.decode,
+                        batch=args.batch,
                         decode_cache="random keys/values at position context-1")
         print(json.dumps(dict(settings=settings, results=records, ratios=rat), indent=2))
     else:

@@ -11,7 +11,9 @@ import torch
 
 from ..checks import UsageError, check_int
 from ..devices import resolve_device
-from ..generation.decode import TextStream, generate
+from ..generation.decode import generate
+from ..generation.static import DECODE_MODES
+from ..generation.text import TextStream
 from ..model.rope import SCALING_KINDS, check_factor
 from ..storage.pretrained import load_model
 from ..storage.runs import parse_step
@@ -36,6 +38,9 @@ def configure_parser(parser) -> None:
                         help="none (default) | linear | ntk | yarn: RoPE scaling while generating (method.md §7)")
     parser.add_argument("--rope-factor", type=float, default=None, metavar="F",
                         help="RoPE scaling factor >= 1 (default: context / training length, at least 1)")
+    parser.add_argument("--decode", default="auto", choices=DECODE_MODES,
+                        help="auto (default: compiled on CUDA, eager elsewhere) | eager | static (one shape per step, "
+                             "a CUDA graph on CUDA) | compiled (static through torch.compile)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
@@ -76,7 +81,8 @@ def run(args, out=None) -> int:
     kind, factor = getattr(args, "rope_scaling", "none"), getattr(args, "rope_factor", None)
     steps = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                     stop_ids=() if eos is None else (eos,), rope_scaling=kind, rope_factor=factor)
+                     stop_ids=() if eos is None else (eos,), rope_scaling=kind, rope_factor=factor,
+                     decode=getattr(args, "decode", "auto"))
     if kind != "none":
         sparse = any(layer.attention == "sparse" for layer in model.layers())
         log.info("fibattn generate: RoPE scaling %s, factor %s%s", kind,

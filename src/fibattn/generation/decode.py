@@ -26,8 +26,8 @@ a full forward pass at ``context`` inside ``rope_scaling_mode(model, kind, facto
 """
 from __future__ import annotations
 
-import codecs
 import contextlib
+import inspect
 import logging
 import numbers
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ import torch
 from ..checks import UsageError, check_int
 from ..config import ModelConfig
 from .sampling import Sampling, sample
+from .static import collect_static, resolve_decode, static_steps
 from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
 from ..ops import interpolated_sparse_attention, sparse_attention
 from ..ops.backends import check_model_runs
@@ -125,7 +126,8 @@ class DecodeSession:
     """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
 
     def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None,
-                 rope_scaling=None, size_flag: str = "context (longest prompt + --max-new-tokens)"):
+                 rope_scaling=None, size_flag: str = "context (longest prompt + --max-new-tokens)",
+                 static: bool = False):
         for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
                 raise UsageError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
@@ -148,7 +150,8 @@ class DecodeSession:
             attn = block.attn
             dims = (batch, attn.n_kv_heads, attn.head_dim)
             if plan is None:
-                cache = FullCache(*dims, context, dtype=self.dtype, device=self.device)
+                cache = FullCache(*dims, context, dtype=self.dtype, device=self.device,
+                                  **({"initial": context} if static else {}))      # static: never regrown
             else:
                 cache = RingCache(*dims, min(plan.span, context), dtype=self.dtype, device=self.device)
             self.layers.append(LayerState.build(plan, cache, self.device))
@@ -161,6 +164,14 @@ class DecodeSession:
             for block in self.model.blocks:
                 stack.enter_context(block.attn.rope.scaled(self.rope_scaling))
         return stack
+
+    def reset(self) -> None:
+        """Every row back before its first token: caches zeroed, positions 0 (the storage is kept)."""
+        for state in self.layers:
+            state.cache.kv.zero_()
+            if isinstance(state.cache, FullCache):
+                state.cache.length = 0
+        self.pos.zero_()
 
     @property
     def cache_bytes(self) -> int:
@@ -211,6 +222,16 @@ class DecodeSession:
         self.pos[rows] = ids.shape[1] - 1
         return model.logits(model.norm(x[:, -1:]))[:, 0].float()
 
+    def prefill_rows(self, rows: list[list[int]]) -> torch.Tensor:
+        """Every prompt into its batch row (rows of one length together); the last logits ``(B, V)``."""
+        logits = torch.empty(len(rows), self.model.embed.weight.shape[0], device=self.device)
+        by_len: dict[int, list[int]] = {}
+        for r, row in enumerate(rows):
+            by_len.setdefault(len(row), []).append(r)
+        for _, group in sorted(by_len.items()):
+            logits[group] = self.prefill(group, torch.tensor([rows[r] for r in group], dtype=torch.long))
+        return logits
+
     # ------------------------------------------------------------------ decode
     def _position_groups(self) -> list[tuple[torch.Tensor | None, int]]:
         """Rows sharing a position (one group, index ``None``, when all rows agree)."""
@@ -242,8 +263,8 @@ class DecodeSession:
 # ----------------------------------------------------------------------------- the API
 def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, stop_ids: Sequence[int] = (), context: int | None = None,
-             dense_window: int | None = None, rope_scaling=None, rope_factor: float | None = None
-             ) -> Iterator[GenerationStep]:
+             dense_window: int | None = None, rope_scaling=None, rope_factor: float | None = None,
+             decode: str = "auto") -> Iterator[GenerationStep]:
     """Stream new tokens for one prompt or a batch of prompts of any lengths.
 
     Yields one :class:`GenerationStep` per step until every row has hit a ``stop_ids``
@@ -252,8 +273,30 @@ def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float
     fixes the distance sets and cache sizes; ``dense_window`` makes dense layers keep only
     their last ``w`` positions (an approximation beyond ``w``). ``rope_scaling``: ``none | linear
     | ntk | yarn`` (or a :class:`fibattn.model.rope.RopeScaling`), with the factor ``rope_factor``
-    (default: ``max(1, context / training length)``; method.md §7).
+    (default: ``max(1, context / training length)``; method.md §7). ``decode``: ``eager`` (the reference
+    step), ``static`` (one shape at every position, nothing read back; captured in a CUDA graph on CUDA),
+    ``compiled`` (``static`` through ``torch.compile(fullgraph=True)``) or ``auto`` (``compiled`` on CUDA,
+    ``eager`` elsewhere; :mod:`fibattn.generation.static`). Streaming reads each step's tokens back once;
+    under ``static`` / ``compiled`` a step's ``logits`` are the step's buffer, overwritten by the next step.
     """
+    return _stream(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, context,
+                            dense_window, rope_scaling, rope_factor, decode))
+
+
+@dataclass
+class _Job:
+    session: DecodeSession
+    rows: list[list[int]]
+    max_new: int
+    sampling: Sampling
+    generators: list[torch.Generator]
+    stops: set
+    mode: str
+
+
+def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, context, dense_window,
+             rope_scaling, rope_factor, decode) -> _Job:
+    """:func:`generate`'s arguments checked, before the first token; the session built."""
     vocab = model.embed.weight.shape[0] if hasattr(model, "embed") else None
     if vocab is None:
         raise UsageError(f"generate needs a fibattn FibLM, got {type(model).__name__}")
@@ -272,8 +315,10 @@ def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float
         raise UsageError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
     scaling = _scaling(model, rope_scaling, rope_factor, context)
     generators = _generators(seed, len(rows))
-    session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling)
-    return _run(session, rows, max_new_tokens, sampling, generators, stops)
+    mode = resolve_decode(decode, model.embed.weight.device)
+    session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling,
+                            static=mode != "eager")
+    return _Job(session, rows, max_new_tokens, sampling, generators, stops, mode)
 
 
 def _scaling(model, kind, factor, context: int):
@@ -295,24 +340,21 @@ def _scaling(model, kind, factor, context: int):
 
 
 @torch.no_grad()
-def _run(session: DecodeSession, rows, max_new_tokens, sampling, generators, stops):
-    if max_new_tokens == 0:
+def _stream(job: _Job) -> Iterator[GenerationStep]:
+    if job.max_new == 0:
         return
-    B = len(rows)
-    logits = torch.empty(B, session.model.embed.weight.shape[0], device=session.device)
-    by_len: dict[int, list[int]] = {}
-    for r, row in enumerate(rows):
-        by_len.setdefault(len(row), []).append(r)
-    for _, group in sorted(by_len.items()):
-        ids = torch.tensor([rows[r] for r in group], dtype=torch.long)
-        logits[group] = session.prefill(group, ids)
-    done = torch.zeros(B, dtype=torch.bool)
+    if job.mode != "eager":
+        yield from _stream_static(job)
+        return
+    session, sampling, generators, stops = job.session, job.sampling, job.generators, job.stops
+    logits = session.prefill_rows(job.rows)
+    done = torch.zeros(len(job.rows), dtype=torch.bool)
     stop_t = torch.tensor(sorted(stops), dtype=torch.long)
-    for index in range(max_new_tokens):
+    for index in range(job.max_new):
         tokens = sample(logits, sampling, generators).cpu()
         tokens = tokens.masked_fill(done, -1)
         now_done = done | torch.isin(tokens, stop_t) if stops else done.clone()
-        last = index == max_new_tokens - 1 or bool(now_done.all())
+        last = index == job.max_new - 1 or bool(now_done.all())
         yield GenerationStep(index, tokens, now_done | last, logits)
         if last:
             return
@@ -320,52 +362,35 @@ def _run(session: DecodeSession, rows, max_new_tokens, sampling, generators, sto
         logits = session.step(tokens.clamp_min(0))
 
 
+def _stream_static(job: _Job) -> Iterator[GenerationStep]:
+    for index, engine in static_steps(job.session, job.rows, job.max_new, job.sampling, job.generators, job.stops,
+                                      compiled=job.mode == "compiled"):
+        tokens, done = torch.stack([engine.tok, engine.done.long()]).tolist()     # the step's one read back
+        last = index == job.max_new - 1 or all(done)
+        yield GenerationStep(index, torch.tensor(tokens), torch.tensor(done, dtype=torch.bool) | last, engine.logits)
+        if last:
+            return
+
+
 def generate_tokens(model, prompt_ids, **kwargs) -> list[list[int]]:
-    """All new tokens per row (stop tokens included), collected from :func:`generate`."""
-    steps = list(generate(model, prompt_ids, **kwargs))
-    B = steps[0].tokens.shape[0] if steps else len(_prompt_rows(prompt_ids, model.embed.weight.shape[0]))
-    out: list[list[int]] = [[] for _ in range(B)]
-    for st in steps:
+    """All new tokens per row (stop tokens included), as :func:`generate` yields them; under a static decode
+    nothing is read back until the end (:func:`fibattn.generation.static.collect_static`)."""
+    job = _prepare(model, prompt_ids, *_args(kwargs))
+    if job.mode != "eager":
+        return collect_static(job.session, job.rows, job.max_new, job.sampling, job.generators, job.stops,
+                              compiled=job.mode == "compiled")
+    out: list[list[int]] = [[] for _ in job.rows]
+    for st in _stream(job):
         for r, t in enumerate(st.tokens.tolist()):
             if t >= 0:
                 out[r].append(t)
     return out
 
 
-# ----------------------------------------------------------------------------- text output
-class TextStream:
-    """Incremental detokenizer: ``push(token) -> str`` never splits a UTF-8 character.
-
-    Byte tokenizers go through an incremental UTF-8 decoder; others re-decode a short
-    tail of ids and emit the new text once it no longer ends in a partial character.
-    """
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.eos = getattr(tokenizer, "eos_id", None)
-        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace") \
-            if getattr(tokenizer, "name", "") == "byte" else None
-        self.ids: list[int] = []
-        self._prefix = self._read = 0
-
-    def push(self, token: int) -> str:
-        if token == self.eos:
-            return ""
-        if self._bytes is not None:
-            return self._bytes.decode(bytes([token]))
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        text = self.tok.decode(self.ids[self._prefix:])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.ids)
-            return text[len(before):]
-        return ""
-
-    def flush(self) -> str:
-        if self._bytes is not None:
-            return self._bytes.decode(b"", final=True)
-        before = self.tok.decode(self.ids[self._prefix:self._read])
-        return self.tok.decode(self.ids[self._prefix:])[len(before):]
-
-
-
+def _args(kwargs: dict) -> tuple:
+    """:func:`generate`'s keyword arguments in :func:`_prepare`'s order, defaults filled, unknown names refused."""
+    params = list(inspect.signature(generate).parameters.values())[2:]
+    unknown = set(kwargs) - {p.name for p in params}
+    if unknown:
+        raise TypeError(f"generate_tokens() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    return tuple(kwargs.get(p.name, p.default) for p in params)

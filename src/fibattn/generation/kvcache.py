@@ -175,6 +175,10 @@ class FullCache(_KV):
         self._scatter(k, v, pos)
         self.length = max(self.length, max_pos + 1)
 
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """:meth:`write` into a cache already whole (``initial = capacity``): no growth, no host value."""
+        self._scatter(k, v, pos)
+
     def randomize(self, length: int, generator: torch.Generator | None = None) -> None:
         """Benchmarks: pretend ``length`` positions were seen, with random keys/values."""
         self._ensure(length)
@@ -213,8 +217,10 @@ class Positions:
     hi: int
 
 
-def _softmax_attend(q, k, v, valid, scale):
+def _softmax_attend(q, k, v, valid):
     """q ``(B, Hkv, G, Dh)``, k/v ``(B, Hkv, N, Dh)``, valid ``(B, N)`` or None -> ``(B, Hkv, G, Dh)``."""
+    Dh = q.shape[-1]
+    scale = 1.0 / math.sqrt(Dh)
     s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)      # scores in float32
     if valid is not None:
         s = s.masked_fill_(~valid[:, None, None, :], float("-inf"))
@@ -226,21 +232,44 @@ def _softmax_attend(q, k, v, valid, scale):
 
 def attend_step(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: Positions) -> torch.Tensor:
     """Write the new key/value, then attend the new query ``(B, H, 1, Dh)`` over the cache."""
-    B, H, _, Dh = q.shape
-    Hkv = k.shape[1]
-    scale = 1.0 / math.sqrt(Dh)
-    qg = q.reshape(B, Hkv, H // Hkv, Dh)
     cache = state.cache
     if state.plan is None:
         cache.write(k, v, at.pos, at.hi)
         n = at.hi + 1
         valid = None if at.lo == at.hi else torch.arange(n, device=q.device)[None, :] <= at.pos[:, None]
-        out = _softmax_attend(qg.to(cache.kv.dtype), cache.k[:, :, :n], cache.v[:, :, :n], valid, scale)
-    else:
-        cache.write(k, v, at.pos)
-        rows = cache.gather(at.pos, state.entries).float()          # (B, Hkv, E, 2 Dh)
-        if state.mix is not None:
-            rows = torch.matmul(state.mix, rows)                     # (B, Hkv, C, 2 Dh)
-        valid = None if at.lo >= state.last_first else at.pos[:, None] >= state.first[None, :]
-        out = _softmax_attend(qg.float(), rows[..., :Dh], rows[..., Dh:], valid, scale)
+        return _attend_rows(q, cache.k[:, :, :n], cache.v[:, :, :n], valid, cache.kv.dtype)
+    return _attend_ring(state, q, k, v, at.pos, at.lo < state.last_first)
+
+
+def attend_static(state: LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  pos: torch.Tensor) -> torch.Tensor:
+    """:func:`attend_step` with one shape at every position and nothing read back (a captured decode step):
+    a dense layer's :class:`FullCache` is whole from the start and every row past a row's position is masked,
+    a ring layer's columns are always masked by position."""
+    cache = state.cache
+    if state.plan is None:
+        cache.write_at(k, v, pos)
+        valid = torch.arange(cache.rows, device=q.device)[None, :] <= pos[:, None]
+        return _attend_rows(q, cache.k, cache.v, valid, cache.kv.dtype)
+    return _attend_ring(state, q, k, v, pos, True)
+
+
+def _attend_rows(q, k, v, valid, dtype):
+    """q ``(B, H, 1, Dh)`` over cached rows k/v ``(B, Hkv, N, Dh)`` in the cache's ``dtype``."""
+    B, H, _, Dh = q.shape
+    qg = q.reshape(B, k.shape[1], H // k.shape[1], Dh).to(dtype)
+    return _softmax_attend(qg, k, v, valid).reshape(B, H, 1, Dh).to(q.dtype)
+
+
+def _attend_ring(state: LayerState, q, k, v, pos: torch.Tensor, masked: bool) -> torch.Tensor:
+    """A ring layer's step: write, gather the plan's rows, mix them into columns (float32); ``masked``:
+    mask the columns not yet usable at ``pos`` (False when the caller knows every one is)."""
+    B, H, _, Dh = q.shape
+    state.cache.write(k, v, pos)
+    rows = state.cache.gather(pos, state.entries).float()          # (B, Hkv, E, 2 Dh)
+    if state.mix is not None:
+        rows = torch.matmul(state.mix, rows)                         # (B, Hkv, C, 2 Dh)
+    valid = pos[:, None] >= state.first[None, :] if masked else None
+    qg = q.reshape(B, k.shape[1], H // k.shape[1], Dh).float()
+    out = _softmax_attend(qg, rows[..., :Dh], rows[..., Dh:], valid)
     return out.reshape(B, H, 1, Dh).to(q.dtype)

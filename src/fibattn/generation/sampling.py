@@ -28,8 +28,23 @@ class Sampling:
             raise UsageError(f"top_p must be a number in (0, 1], got {p!r}")
 
 
+def uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor:
+    """The next ``n`` draws of every row's generator, ``(B, n)`` float64 on the host: the values :func:`sample`
+    would draw over ``n`` steps, one at a time (a generator yields the same sequence either way)."""
+    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64) for g in generators])
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Next token per row ``(B,)`` int64 from logits ``(B, V)``; one generator per row."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    return pick(logits, sampling, u.to(logits.device))
+
+
+def pick(logits: torch.Tensor, sampling: Sampling, u: torch.Tensor | None) -> torch.Tensor:
+    """:func:`sample` with the rows' uniform draws ``u`` ``(B,)`` float64 given on the logits' device: device
+    work alone, one shape at every step (a captured decode step samples so). ``u`` is unused when greedy."""
     if sampling.temperature == 0:
         return logits.argmax(-1)
     # shifted to max 0 and in float64 first, so any temperature > 0 (1e-300 or 1e300) gives finite or -inf
@@ -46,8 +61,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.
         before = torch.cumsum(probs, dim=-1) - probs           # mass of strictly more likely tokens
         probs = probs.masked_fill(before >= sampling.top_p, 0.0)
     cdf = torch.cumsum(probs.double(), dim=-1)
-    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-    u = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    u = (u * cdf[:, -1]).unsqueeze(1)
     j = torch.searchsorted(cdf, u, right=True)
     kept = (probs > 0).sum(dim=-1, keepdim=True)                 # the kept tokens come first
     return order.gather(1, torch.minimum(j, kept - 1)).squeeze(1)

@@ -166,7 +166,8 @@ class FibScorer:
         return [sum(next(scores)[0] for _ in ws) for ws in windows]
 
     def generate_until(self, context: str, gen_kwargs: dict | None = None) -> str:
-        from ..generation.decode import TextStream, generate
+        from ..generation.decode import generate
+        from ..generation.text import TextStream
         kw = dict(gen_kwargs or {})
         check_keys("lm-eval generation_kwargs", kw, GEN_KEYS)
         until = kw.pop("until", None) or []

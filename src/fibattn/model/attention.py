@@ -173,13 +173,23 @@ class FibAttention(nn.Module):
             self.distances(seq_len)
 
     # ---------------------------------------------------------------- forward pieces
-    def qkv(self, x: torch.Tensor, offset: int = 0):
-        """Projections with RoPE applied: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``."""
+    def _project(self, x: torch.Tensor):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def qkv(self, x: torch.Tensor, offset: int = 0):
+        """Projections with RoPE applied: q ``(B, H, T, Dh)``, k and v ``(B, Hkv, T, Dh)``."""
+        q, k, v = self._project(x)
         return self.rope(q, offset), self.rope(k, offset), v
+
+    def qkv_at(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor):
+        """:meth:`qkv` of one token per row ``x`` ``(B, 1, C)`` at per-row positions ``pos`` ``(B,)`` (a device
+        tensor), RoPE from ``table`` (``rope.rotations`` covering them)."""
+        q, k, v = self._project(x)
+        return self.rope.rotate_at(q, pos, table), self.rope.rotate_at(k, pos, table), v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:

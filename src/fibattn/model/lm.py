@@ -209,7 +209,7 @@ class FibLM(nn.Module):
         strings) it gives the continuation as text, stopping at the end-of-document token, with
         ``tokenizer`` (default: the one :func:`fibattn.from_pretrained` attached). ``kwargs`` are
         :func:`fibattn.generation.decode.generate`'s (``max_new_tokens``, ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop_ids``, ``context``, ``rope_scaling``, ``rope_factor``); :meth:`stream`
+        ``top_p``, ``seed``, ``stop_ids``, ``context``, ``rope_scaling``, ``rope_factor``, ``decode``); :meth:`stream`
         yields the steps as they come.
         """
         from ..generation.decode import generate_tokens

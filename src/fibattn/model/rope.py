@@ -173,16 +173,14 @@ class RotaryEmbedding(nn.Module):
             raise UsageError(f"RoPE expects (B, H, T, {self.head_dim}), got {tuple(x.shape)}")
         if offset < 0:
             raise UsageError(f"offset must be >= 0, got {offset}")
-        B, H, T, Dh = x.shape
-        rot = self.rotations(offset + T, x.device, offset)
-        pairs = x.float().reshape(B, H, T, Dh // 2, 2)
-        if torch.compiler.is_compiling():          # inductor has no complex kernels: the same rotation in reals
-            c, s = rot[..., 0], rot[..., 1]
-            x0, x1 = pairs[..., 0], pairs[..., 1]
-            out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
-        else:
-            out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rot))
-        return out.reshape(B, H, T, Dh).to(x.dtype)
+        T = x.shape[2]
+        return _rotate(x, self.rotations(offset + T, x.device, offset))
+
+    def rotate_at(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """RoPE for one token per row ``x`` ``(B, H, 1, Dh)`` at per-row positions ``pos`` ``(B,)`` on the
+        device, from a table of :meth:`rotations` that covers them: no host read, one shape for every
+        position (a captured decode step)."""
+        return _rotate(x, table[pos].unsqueeze(1).unsqueeze(1))
 
     @contextlib.contextmanager
     def scaled(self, scaling: RopeScaling | None):
@@ -200,6 +198,20 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, fn, recurse=True):      # .to(device) drops the cached tables
         self._cache = {}
         return super()._apply(fn, recurse)
+
+
+def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, T, Dh)`` rotated pairwise by ``rot`` (``(T, Dh/2, 2)`` or broadcastable to
+    ``(B, H, T, Dh/2, 2)``), in float32, returned in ``x``'s dtype."""
+    B, H, T, Dh = x.shape
+    pairs = x.float().reshape(B, H, T, Dh // 2, 2)
+    if torch.compiler.is_compiling():          # inductor has no complex kernels: the same rotation in reals
+        c, s = rot[..., 0], rot[..., 1]
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], dim=-1)
+    else:
+        out = torch.view_as_real(torch.view_as_complex(pairs) * torch.view_as_complex(rot.contiguous()))
+    return out.reshape(B, H, T, Dh).to(x.dtype)
 
 
 def _training_length(model) -> int | None:

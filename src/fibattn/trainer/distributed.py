@@ -126,6 +126,15 @@ def all_reduce_sum(info: DistInfo, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def min_int(info: DistInfo, value: int) -> int:
+    """The smallest of the ranks' ``value`` on every rank."""
+    if not info.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=info.device)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def broadcast_int(info: DistInfo, value: int) -> int:
     """Rank 0's ``value`` on every rank (a tensor broadcast: no pickling)."""
     if not info.distributed:

@@ -61,7 +61,7 @@ def check_fits(cfg: RunConfig, device: torch.device, loss_head: str = "plain") -
     """Refuse a config whose training state certainly exceeds the device's memory, naming the estimate."""
     t = cfg.train
     bf16 = t.precision == "bf16" or (t.precision == "auto" and device.type == "cuda")
-    V.check_training_fits(cfg.model, t.micro_batch, bf16, device, checkpointing=t.activation_checkpointing,
+    V.check_training_fits(cfg.model, max(t.micro_batch, 1), bf16, device, checkpointing=t.activation_checkpointing,
                           context=t.context_parallel, logit_rows=logit_rows(loss_head, cfg.model.vocab_size))
 
 
@@ -129,18 +129,24 @@ def compile_cache() -> str:
         return "inductor cache in torch's default folder"
 
 
-def accum_steps(cfg: RunConfig, world: int) -> int:
-    """Gradient-accumulation steps that keep ``train.batch_tokens`` global for ``world`` processes.
-
-    Each process takes ``batch_tokens / (seq_len * world)`` sequences per step. When
-    ``train.micro_batch`` does not divide that (more processes than the preset was written for),
-    it is lowered to the largest divisor that does, logged once: the global batch, and so the
-    optimisation, stay those of the config."""
+def sequences_per_rank(cfg: RunConfig, world: int) -> int:
+    """``batch_tokens / (seq_len * world)``: the sequences each of ``world`` processes takes per step."""
     t, T = cfg.train, cfg.model.seq_len
     if t.batch_tokens % (T * world):
         raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) must be a multiple of model.seq_len * world_size "
                           f"({T} * {world} = {T * world}) so that every process trains whole sequences")
-    per_rank = t.batch_tokens // (T * world)
+    return t.batch_tokens // (T * world)
+
+
+def accum_steps(cfg: RunConfig, world: int) -> int:
+    """Gradient-accumulation steps that keep ``train.batch_tokens`` global for ``world`` processes.
+
+    Each process takes :func:`sequences_per_rank` sequences per step. When ``train.micro_batch``
+    (already chosen, when auto) does not divide that (more processes than the preset was written for),
+    it is lowered to the largest divisor that does, logged once: the global batch, and so the
+    optimisation, stay those of the config."""
+    t, T = cfg.train, cfg.model.seq_len
+    per_rank = sequences_per_rank(cfg, world)
     micro = max(d for d in range(1, min(t.micro_batch, per_rank) + 1) if per_rank % d == 0)
     if micro != t.micro_batch:
         log.info("fibattn: train.micro_batch %d -> %d: train.batch_tokens %d over %d process(es) is %d sequences "

@@ -46,12 +46,13 @@ from .grad_reduce import attach as attach_ordered_reduce
 from .init_weights import open_init
 from .batches import BatchForward, build_mesh, to_device, validation_losses
 from .logs import MetricSinks, ProgressBar, progress_line
+from .micro_batch import resolve as resolve_micro_batch
 from .outcome import TrainingAborted, TrainResult, settle  # noqa: F401 (TrainingAborted: imported from here)
 from .optim import build_optimizer, lr_at, param_names, set_lr
 from .throughput import announce, eval_line, mfu
 from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, compile_cache, compile_wanted,
                     document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, run_lock_path, seed_all,
-                    set_threads, tokenizer_file, warn_disk_space)
+                    sequences_per_rank, set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -64,7 +65,7 @@ class Trainer:
         self.out = Path(t.out_dir)
         check_model_runs(cfg.model, dist.device, grad=True)
         self.mesh = build_mesh(cfg, dist)                # data x context parallel ranks
-        self.accum = accum_steps(cfg, self.mesh.dp_size)
+        per_rank = sequences_per_rank(cfg, self.mesh.dp_size)
         self.loss_head = loss_head_for(t.loss_head, dist.device, dist.is_main)
         check_fits(cfg, dist.device, self.loss_head)
         self.lock = None                             # the run folder's writer lock, taken in run()
@@ -95,13 +96,16 @@ class Trainer:
                                   f"{t.batch_tokens / max(have, 1):.3g} times over; set train.batch_tokens <= {have}")
         self.model = FibLM(cfg.model).to(dist.device).set_activation_checkpointing(t.activation_checkpointing)
         self.model.set_loss_head(self.loss_head)
+        self.autocast = autocast_for(t.precision, dist.device)
+        if t.micro_batch == 0:                           # auto: tried on the model before any state exists
+            t.micro_batch = resolve_micro_batch(cfg, self.model, dist, self.autocast, per_rank)
+        self.accum = accum_steps(cfg, self.mesh.dp_size)
         self.names = param_names(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, t)
         with D.together(dist, "verifying the training shards"):
             self.loader = self.data.train_loader(cfg.model.seq_len, t.micro_batch, seed=t.seed,
                                                  rank=self.mesh.dp_rank, world_size=self.mesh.dp_size)
-        self.autocast = autocast_for(t.precision, dist.device)
         self.step, self.tokens, self.skipped, self.bad, self.elapsed = 0, 0, 0, 0, 0.0
         self.stop_requested = False          # set by SIGTERM on this process
         self.stop_agreed = False             # any rank asked to stop (all-reduced each step)
@@ -370,8 +374,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", stop_at: int | None = None, d
         init = open_init(cfg, str(resume))   # so does a source that does not fit the model
         dist = D.plan(cfg.train)
     dist = D.connect(dist)
-    trainer = None
-    old = None
+    trainer = old = None
     try:
         D.check_same(dist, {**C.to_dict(cfg), "--resume": str(resume), "--stop-at": stop_at},
                      "resolved config")                            # before anything is written
