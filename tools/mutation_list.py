@@ -34,6 +34,9 @@ EQUIV = "tests/test_equivalences.py"
 THRESH = "tests/test_check_thresholds.py"
 LLAMA = "tests/test_llama_independent.py"
 DOCS = "tests/test_documents.py"
+CP = "src/fibattn/parallel/context.py"
+HALO = "src/fibattn/parallel/halo.py"
+CP_PLAN = "tests/test_context_parallel_plan.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -414,4 +417,21 @@ MUTATIONS = [
     Mutation("halo-gradients-dropped", "halo", "src/fibattn/parallel/context.py",
              "            local.index_add_(3, _rows(ivs, shard.start, g.device), got[dst])\n",
              "            pass\n", ("tests/test_context_parallel.py", "-k", "one_process_loss and 2")),
+    # ================================================================ round three (issue 59): one block per class
+    # ---------------------------------------------------------------- 1. context parallelism, interpolated layers
+    Mutation("cp-halo-first-taps-only", "halo", CP,
+             "{t for lo, _ in plan.rungs for t in (lo, lo + 1)}", "{t for lo, _ in plan.rungs for t in (lo,)}",
+             (CP_PLAN,)),
+    Mutation("cp-halo-rounded-rungs", "halo", CP,
+             "    if not layer.learned:\n        return layer.distances(seq_len)\n",
+             "    if True:\n        return layer.distances(seq_len)\n", (CP_PLAN,)),
+    Mutation("cp-plan-at-chunk-length", "halo", CP,
+             "    dists = layer_dists(layer, T)\n", "    dists = layer_dists(layer, shard.chunk)\n", (CP_PLAN,)),
+    Mutation("halo-first-row-never-read", "halo", HALO,
+             "max(0, start - d), min(start", "max(1, start - d), min(start", (CP_PLAN,)),
+    Mutation("halo-buffer-from-last-interval", "halo", HALO,
+             "before = rank * chunk - mine[0][0] if mine else 0", "before = rank * chunk - mine[-1][0] if mine else 0",
+             (CP_PLAN,)),
+    Mutation("halo-nothing-from-rank-0", "halo", HALO,
+             "for src in range(rank) if", "for src in range(1, rank) if", (CP_PLAN,)),
 ]
