@@ -6,6 +6,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -174,3 +175,59 @@ def listed_file_problem(path, info: dict, data: bytes | None = None) -> str | No
     if digest != info["sha256"]:
         return "is corrupted (sha256 mismatch)"
     return None
+
+
+# ------------------------------------------------------------------------- caches of code fibattn runs
+def not_private(path, *, folder: bool) -> str | None:
+    """Why code loaded from ``path`` could be someone else's (None when it cannot): it must belong to this
+    user and be writable by neither its group nor others; a file must be a regular file, not a link (a
+    folder may be reached through one: its target is checked). Anything else could have been planted."""
+    if not hasattr(os, "getuid"):                    # no POSIX owners (Windows): nothing to check
+        return None
+    try:
+        st = os.stat(path) if folder else os.lstat(path)
+    except OSError as exc:
+        return f"cannot be checked ({exc.strerror or exc})"
+    if folder and not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if not folder and not stat.S_ISREG(st.st_mode):
+        return "is not a regular file (a link or something else)"
+    if st.st_uid != os.getuid():
+        return f"belongs to user id {st.st_uid}, not to this user (id {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(w for bit, w in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
+                           if st.st_mode & bit)
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def private_folder(path) -> tuple[Path, str | None]:
+    """A folder to keep code fibattn builds and later loads (a compiled library): ``path``, created
+    (mode 0700) when missing, if it is this user's alone (:func:`not_private`); else a new private temporary
+    folder, removed at exit, and why ``path`` was not used."""
+    p = Path(path).expanduser()
+    why = None
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        why = f"cannot be created ({exc.strerror or exc})"
+    why = why or not_private(p, folder=True)
+    if why is None:
+        return p, None
+    return temporary_private_folder(), f"{p} {why}"
+
+
+def temporary_private_folder() -> Path:
+    """A new folder only this user may use (mode 0700), removed when the process exits."""
+    import atexit
+    import shutil
+    tmp = Path(tempfile.mkdtemp(prefix="fibattn-private-"))       # mode 0700, this user's
+    atexit.register(shutil.rmtree, tmp, True)
+    return tmp
+
+
+def make_private_file(path) -> None:
+    """Give a file fibattn built for itself (before it is renamed into a cache) a mode no one else may write:
+    a umask of 002 would leave it group-writable, and the next process would refuse it."""
+    os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))

@@ -7,7 +7,8 @@ kernel set has a fused forward / backward over *columns* (see ``cpu_kernels.c``)
 
 The shared library is built from ``cpu_kernels.c`` into ``$FIBATTN_CACHE`` (default
 ``~/.cache/fibattn``) under a name keyed by the source, the compiler version, the flags
-and the CPU's feature flags; it is built in a temporary folder next to it (its float and double
+and the CPU's feature flags, and loaded from there only when that folder and the file belong to this user
+and neither group nor others may write them (else it is built in a private temporary folder); it is built in a temporary folder next to it (its float and double
 halves compiled side by side: gcc takes 8 s instead of 13 s on two cores) and renamed, so concurrent
 processes never load a half-written library. Threads: ``torch.get_num_threads()``.
 Head sizes of 2, 3, 4, 5, 6, 8, 10, 12, 16 or 32 SIMD vectors (fp32 Dh 16, 24, 32, 40, 48, 64, 80, 96,
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import UsageError
+from ..files import make_private_file, not_private, private_folder, temporary_private_folder
 from .columns import compute_dtype, host_interface
 from .host_pages import huge_empty
 
@@ -131,7 +133,24 @@ def _compile(compiler: str, target: Path) -> None:
               for p, obj in zip(_PARTS, objs)])
         lib = str(Path(tmp) / target.name)
         _run([[compiler, *_LDFLAGS, "-o", lib, *objs, "-lm"]])
+        make_private_file(lib)
         os.replace(lib, target)
+
+
+def _private_target(target: Path) -> Path:
+    """Where to load (and build) ``target``: there when its folder and, if built already, the file belong to
+    this user and no one else may write them; else in a private temporary folder, with a warning. The name
+    is predictable, so a library planted in a folder others can write would run their code in this process."""
+    folder, why = private_folder(target.parent)
+    if why is None and (target.exists() or target.is_symlink()):
+        problem = not_private(target, folder=False)
+        if problem:
+            folder, why = temporary_private_folder(), f"{target} {problem}"
+    if why:
+        log.warning("fibattn: not loading the CPU kernel library from FIBATTN_CACHE: %s; building it in the "
+                    "private folder %s instead (give FIBATTN_CACHE a folder of your own, not writable by group "
+                    "or others)", why, folder)
+    return folder / target.name
 
 
 def _load() -> _Build:
@@ -143,7 +162,7 @@ def _load() -> _Build:
         return _Build(reason="no C compiler: 'gcc' is not on PATH")
     try:
         source = _SOURCE.read_bytes()
-        target = _library_path(compiler, source)
+        target = _private_target(_library_path(compiler, source))
         if not target.exists():
             log.info("fibattn: compiling CPU kernels into %s", target)
             _compile(compiler, target)
