@@ -43,7 +43,7 @@ import numpy as np
 
 from ..checks import did_you_mean
 from ..config import ConfigError, DataConfig, SourceConfig
-from ..files import atomic_write_text, check_creatable, mark_ignored, naming_os_errors
+from ..files import atomic_write_text, check_creatable, fsync_dir, mark_ignored, naming_os_errors
 from ..locks import FolderLock, check_unlocked, drop_stale
 from ..validation import validate_data
 from .manifest import MANIFEST_FILE, read_manifest, recorded_config
@@ -259,7 +259,9 @@ def _build(cfg: DataConfig, folder: Path, progress: Progress) -> dict:
 
 def _install(staging: Path, out: Path, cfg: DataConfig, force: bool) -> None:
     """Rename ``staging`` to ``out``. With ``force`` an existing ``out`` is replaced; without, a
-    matching folder that a concurrent prepare installed meanwhile is kept (and ours dropped)."""
+    matching folder that a concurrent prepare installed meanwhile is kept (and ours dropped). The folder's
+    entries are synced before the rename and its new parent after, as a checkpoint's are."""
+    fsync_dir(staging)
     if force and out.exists():
         trash = Staging(out)               # marked and locked: a kill below leaves a folder the next run removes
         try:
@@ -269,6 +271,7 @@ def _install(staging: Path, out: Path, cfg: DataConfig, force: bool) -> None:
             except BaseException:
                 os.replace(trash.path / "old", out)         # never leave out_dir missing
                 raise
+            fsync_dir(out.parent)
             shutil.rmtree(trash.path / "old")
         finally:
             shutil.rmtree(trash.path, ignore_errors=True)
@@ -280,6 +283,8 @@ def _install(staging: Path, out: Path, cfg: DataConfig, force: bool) -> None:
         if not _check_existing(out, cfg):
             raise
         shutil.rmtree(staging)
+        return
+    fsync_dir(out.parent)
 
 
 def prepare(data_cfg: DataConfig, *, progress: bool = True, force: bool = False) -> Path:

@@ -22,7 +22,7 @@ import torch
 from ..storage import checkpoint as ck
 from ..storage.shapes import check_shapes, load_checked
 from ..config import RunConfig, to_dict, with_defaults
-from ..files import atomic_write_text
+from ..files import atomic_write_bytes, atomic_write_text
 from .distributed import DistInfo, broadcast_int, together
 
 log = logging.getLogger("fibattn")
@@ -61,8 +61,8 @@ def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trai
                 ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
                 ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
                 atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
-                if tokenizer_file is not None:
-                    shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+                if tokenizer_file is not None:             # synced like every file of the folder (not copyfile)
+                    atomic_write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
         except OSError as exc:               # disk full, permissions: one line naming the folder and the setting
             shutil.rmtree(tmp, ignore_errors=True)
             newest = ck.latest_valid(root)
