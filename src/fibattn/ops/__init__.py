@@ -11,8 +11,10 @@ each document were run on its own.
 Backends (``backends``; chosen explicitly, ``auto`` logs its pick once): ``reference``,
 ``torch``, ``cpu``, ``triton``, ``flex``. The ``torch``, ``cpu`` and ``triton`` kernel sets
 run behind ``torch.library`` custom ops (``custom_ops``), so ``torch.compile`` traces
-both ops — a learned alpha included — without graph breaks; plain eager calls skip the
-custom-op dispatch and call the kernel set directly (``eager``), with the same results.
+both ops — a learned alpha included — without graph breaks; a compiled call on CUDA goes
+through ``triton_ops`` instead, whose Triton kernels the compiler sees and launches itself;
+plain eager calls skip the custom-op dispatch and call the kernel set directly (``eager``),
+with the same results.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 
 from ..checks import UsageError
 from ..schedules import Base, BaseLike, as_base, interpolation_plan
-from . import custom_ops, eager
+from . import custom_ops, eager, triton_ops
 from .backends import BACKENDS, backend_available, resolve_backend
 from .columns import ColumnSpec
 from .documents import (document_ids_from_cu_seqlens, document_ids_from_eos, document_ids_from_position_ids,
@@ -41,8 +43,8 @@ def _check_qkv(q, k, v):
                              f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         if not x.is_floating_point():
             raise UsageError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    (B, H, T, Dh), kshape = q.shape, k.shape          # each .shape builds a new torch.Size: read once
-    if kshape != v.shape:
+    (B, H, T, Dh), kshape = q.shape, tuple(k.shape)    # each .shape builds a new torch.Size: read once
+    if kshape != tuple(v.shape):                       # (tuples compare in C; a torch.Size in Python)
         raise UsageError(f"k and v must have the same shape, got {tuple(kshape)} and {tuple(v.shape)}")
     Bk, Hkv, Tk, Dk = kshape
     if (Bk, Tk, Dk) != (B, T, Dh):
@@ -56,6 +58,15 @@ def _check_qkv(q, k, v):
 
 
 def _check_distances(distances) -> list[int]:
+    if type(distances) in (list, tuple) and not torch.compiler.is_compiling():   # a model passes one list per
+        # layer on every call: checked once (the compiler traces the plain function; it warns about lru_cache)
+        key = tuple(distances)
+        if all(type(d) is int for d in key):   # (bools and other int-likes take the checks below every time)
+            return _checked_distances(key)
+    return _distance_list(distances)
+
+
+def _distance_list(distances) -> list[int]:
     if isinstance(distances, torch.Tensor):
         distances = distances.tolist()
     out = set()
@@ -66,6 +77,9 @@ def _check_distances(distances) -> list[int]:
     if 0 not in out:
         raise UsageError("distances must contain 0 so that every query attends to at least itself")
     return sorted(out)
+
+
+_checked_distances = functools.lru_cache(maxsize=1024)(_distance_list)     # ~8 µs a call otherwise
 
 
 def _scale(scale, head_dim: int) -> float:
@@ -130,6 +144,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
         return flex_backend.sparse_attention(q, k, v, dists, scale, document_ids)
     if eager.eligible(q, k, v):
         return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale, off)
+    if triton_ops.applies(name, q.device):
+        return triton_ops.sparse_attention(q, k, v, dists, scale, off)
     if not custom_ops.needs_state(q, k, v):
         return custom_ops.sparse_forward_op(q, k, v, dists, scale, backend, off)
     return custom_ops.SparseAttention.apply(q, k, v, dists, scale, backend, off)[0]
@@ -171,6 +187,8 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if eager.eligible(q, k, v, alpha):
         spec = ColumnSpec(None, window, tuple(values), reach)
         return eager.attention(name, backend, q, k, v, spec, alpha, scale, off)
+    if triton_ops.applies(name, q.device):
+        return triton_ops.interpolated_sparse_attention(q, k, v, alpha, window, list(values), reach, scale, off)
     if not custom_ops.needs_state(q, k, v, alpha):
         return custom_ops.interpolated_forward_op(q, k, v, alpha, window, values, reach, scale, backend, off)
     return custom_ops.InterpolatedSparseAttention.apply(q, k, v, alpha, window, values, reach, scale, backend,

@@ -105,9 +105,33 @@ def config(group: int, head_dim: int, window: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- columns
+def traced(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a tracer's stand-in (fake or functional: a ``triton_op`` being traced, ``triton_ops``),
+    not a real tensor."""
+    return type(x) is not torch.Tensor and type(x) is not torch.nn.Parameter
+
+
+def _launcher(kernel, trace: bool):
+    """``kernel`` itself, or while tracing its ``wrap_triton`` wrapper: the compiler records the launch."""
+    if not trace:
+        return kernel
+    from torch.library import wrap_triton
+    return wrap_triton(kernel)
+
+
 @functools.lru_cache(maxsize=256)
 def _int_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values or (0,), dtype=torch.int32, device=device)
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def device_ints(values: tuple[int, ...], device, trace: bool = False) -> torch.Tensor:
+    """``values`` as an int32 tensor on ``device`` (``(0,)`` when empty): cached per device when eager; while
+    tracing built by device ops alone, which the compiler fuses into one small kernel, rather than a
+    host constant copied over on every call (a host-to-device copy that a CUDA graph cannot hold)."""
+    values = values or (0,)
+    if not trace:
+        return _int_tensor(values, torch.device(device))
+    return torch.stack([torch.full((), v, dtype=torch.int32, device=device) for v in values])
 
 
 def band_width(dists) -> int:
@@ -119,15 +143,23 @@ def band_width(dists) -> int:
     return wb
 
 
-def _columns(spec: ColumnSpec, alpha, T: int, device):
+@functools.lru_cache(maxsize=256)
+def _integer_columns(dists: tuple[int, ...], T: int, device, trace: bool = False):
+    """:func:`_columns` of integer distances (cached when eager: every layer calls with its own list)."""
+    wb = band_width(dists)
+    rungs = tuple(sorted(d for d in set(dists) if wb < d < T))    # distances >= T are never valid
+    lo = device_ints(rungs or (kernels().NEVER,), device, trace)
+    n = device_ints((len(rungs),), device, trace)
+    return (lo, lo, lo, lo, n), max(len(rungs), 1), wb, False   # RWLO, RWHI, RBASE: read only when TWO_TAP
+
+
+def _columns(spec: ColumnSpec, alpha, T: int, device, trace: bool = False):
     """``(rungs, R, WB, TWO_TAP)``: the rungs' device arrays ``(RLO, RWLO, RWHI, RBASE, RN)`` —
     ``RN`` of ``R`` slots in use, packed at the front — and the band width ``WB``."""
     if not spec.interpolated:
-        wb = band_width(spec.dists)
-        rungs = tuple(sorted(d for d in set(spec.dists) if wb < d < T))    # distances >= T are never valid
-        lo = _int_tensor(rungs or (kernels().NEVER,), device)
-        n = _int_tensor((len(rungs),), device)
-        return (lo, lo, lo, lo, n), max(len(rungs), 1), wb, False   # RWLO, RWHI, RBASE: read only when TWO_TAP
+        if trace:
+            return _integer_columns.__wrapped__(spec.dists, T, device, True)
+        return _integer_columns(spec.dists, T, device)
     K = max(len(spec.base), 1)
     lo = torch.empty(K, dtype=torch.int32, device=device)
     n = torch.empty(1, dtype=torch.int32, device=device)
@@ -136,8 +168,8 @@ def _columns(spec: ColumnSpec, alpha, T: int, device):
     if a.device != device:
         a = a.to(device)
     cap = spec.cap(T)
-    kernels().plan_kernel[(1,)](a, _int_tensor(spec.base, device), lo, wlo, whi, rbase, n, len(spec.base), cap,
-                                W=spec.window, BLOCK_K=_pow2(len(spec.base)))
+    _launcher(kernels().plan_kernel, trace)[(1,)](a, device_ints(spec.base, device, trace), lo, wlo, whi, rbase, n,
+                                                  len(spec.base), cap, W=spec.window, BLOCK_K=_pow2(len(spec.base)))
     return (lo, wlo, whi, rbase, n), K, min(spec.window, cap), True
 
 
@@ -154,7 +186,7 @@ def _prep(*xs):
 
 
 def _s3(x):
-    return x.stride(0), x.stride(1), x.stride(2)
+    return x.stride()[:3]
 
 
 # ----------------------------------------------------------------------------- the op interface
@@ -172,14 +204,25 @@ def _block_x(block_g: int) -> int:
     return max(block_g, 16)
 
 
-def _launch(q, hkv, wb):
-    """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows."""
-    B, H, T, D = q.shape
+def _launch(q, hkv, wb, trace: bool = False):
+    """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows: worked out once per shape and
+    setting when eager (the host's time per call is the op's cost below ~16K; the settings are read each
+    call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
+    env = os.environ
+    key = (env.get("FIBATTN_TRITON_BLOCK_M"), env.get("FIBATTN_TRITON_WARPS"), env.get("TRITON_INTERPRET"))
+    if trace:                     # symbolic sizes: nothing to cache
+        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key)
+    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(shape, dtype, hkv: int, wb: int, _settings):
+    B, H, T, D = shape
     cfg = config(H // hkv, D, max(wb, 0))
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
     # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
-    dot = torch.float32 if interpreting() and q.dtype == torch.bfloat16 else q.dtype
-    dims = dict(ACC=_tl_dtype(_acc_dtype(q.dtype)), IN=_tl_dtype(q.dtype), DOT=_tl_dtype(dot), **cfg)
+    dot = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
+    dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), **cfg)
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
 
 
@@ -188,14 +231,15 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     q, k, v = _prep(q, k, v)
     B, H, T, D = q.shape
     hkv = k.shape[1]
-    rungs, _, wb, two = _columns(spec, alpha, T, q.device)
+    trace = traced(q)
+    rungs, _, wb, two = _columns(spec, alpha, T, q.device, trace)
     rlo, rwlo, rwhi, _, rn = rungs
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
-    grid, dims, opts = _launch(q, hkv, wb)
-    kernels().fwd_kernel[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
-                               T, wb, hkv, H, H // hkv, D, scale * LOG2E, TWO_TAP=two, HAS_DOCS=off is not None,
-                               **dims, **opts)
+    grid, dims, opts = _launch(q, hkv, wb, trace)
+    _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, off, *_s3(q), *_s3(k),
+                                                 *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D, scale * LOG2E,
+                                                 TWO_TAP=two, HAS_DOCS=off is not None, **dims, **opts)
     return out, lse
 
 
@@ -203,27 +247,29 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     q, k, v, out, dout = _prep(q, k, v, out, dout)
     B, H, T, D = q.shape
     hkv = k.shape[1]
-    rungs, R, wb, two = _columns(spec, alpha, T, q.device)
+    trace = traced(q)
+    rungs, R, wb, two = _columns(spec, alpha, T, q.device, trace)
     rlo, rwlo, rwhi, rbase, rn = rungs
-    grid, dims, opts = _launch(q, hkv, wb)
+    grid, dims, opts = _launch(q, hkv, wb, trace)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     delta = aux_like(q, spec)
     # the rungs' P and dS per (row, head, rung), written by the query pass, read by the key pass
-    pr = torch.empty(max(B * H * T * R, 1), dtype=delta.dtype, device=q.device)
+    n = max(B * H * T * R, 1)
+    pr = torch.empty(n, dtype=delta.dtype, device=q.device)
     dsr = torch.empty_like(pr)
     need = bool(need_dalpha and two and spec.base)
-    # per (row, head, rung slot); slots past the used rungs are never written
-    dfrac = torch.zeros(B * H * T * R if need else 1, dtype=delta.dtype, device=q.device)
+    # per (row, head, rung slot); slots past the used rungs are never written (none at all unless need: no fill)
+    dfrac = torch.zeros(n, dtype=delta.dtype, device=q.device) if need else delta.new_empty(1)
     kern = kernels()
     docs = off is not None
-    kern.bwd_dq_kernel[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn, off,
-                             *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
-                             T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two, NEED_DFRAC=need,
-                             HAS_DOCS=docs, **dims, **opts)
-    kern.bwd_dkdv_kernel[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn, off,
-                               *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two, HAS_DOCS=docs,
-                               BLOCK_X=_block_x(dims["BLOCK_G"]), **dims, **opts)
+    _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn,
+                                               off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
+                                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
+                                               NEED_DFRAC=need, HAS_DOCS=docs, **dims, **opts)
+    _launcher(kern.bwd_dkdv_kernel, trace)[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
+                                                 off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+                                                 T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
+                                                 HAS_DOCS=docs, BLOCK_X=_block_x(dims["BLOCK_G"]), **dims, **opts)
     da = None
     if need_dalpha:
         if need:

@@ -1,0 +1,89 @@
+"""The ``triton`` kernels as ``triton_op``s (``fibattn.ops.triton_ops``): what a compiled call on CUDA runs.
+
+Numbers: the ops called eagerly run the same kernels (in Triton's interpreter here) and must give the
+eager path's outputs and gradients bit for bit, and the reference's within tolerance. Structure: a compiled
+call on (fake) CUDA tensors, traced in a process without the interpreter, must launch the kernels itself —
+no opaque fibattn op left in the graph — and hold nothing that makes or reads a host value.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fibattn.ops import backend_available, triton_ops
+from op_helpers import FP32, close, doc_ids, interp, make, run, sparse
+
+pytestmark = pytest.mark.skipif(backend_available("triton", torch.device("cpu")) is not None,
+                                reason="triton interpreter unavailable")
+
+DISTS = [0, 1, 2, 3, 5, 8, 13, 21]          # a band 0..3 and four rungs: T = 37 crosses tile edges of 16
+
+
+def _ops_integer(off=None):
+    return lambda q, k, v: triton_ops.sparse_attention(q, k, v, DISTS, 0.5, off)
+
+
+def _ops_interp(off=None):
+    base = [1, 2, 3, 5, 8, 13, 21]
+    return lambda q, k, v, a: triton_ops.interpolated_sparse_attention(q, k, v, a, 3, base, None, 0.5, off)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_integer_op_equals_the_eager_path_and_the_reference(documents):
+    q, k, v, dout = make(B=2, H=4, Hkv=2, T=37, Dh=8)
+    ids = doc_ids(2, 37, [11, 26]) if documents else None
+    off = None
+    if documents:
+        from fibattn.ops.documents import offsets_unchecked
+        off = offsets_unchecked(ids)
+    import fibattn
+    got = run(_ops_integer(off), q, k, v, dout)
+    eager = run(lambda q, k, v: fibattn.sparse_attention(q, k, v, DISTS, scale=0.5, backend="triton",
+                                                         document_ids=ids), q, k, v, dout)
+    ref = run(lambda q, k, v: fibattn.sparse_attention(q, k, v, DISTS, scale=0.5, backend="reference",
+                                                       document_ids=ids), q, k, v, dout)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    close(got, ref, **FP32)
+
+
+def test_interpolated_op_equals_the_eager_path_and_the_reference():
+    q, k, v, dout = make(B=1, H=4, Hkv=1, T=37, Dh=8, seed=3)
+    alpha = torch.tensor(1.37)
+    got = run(_ops_interp(), q, k, v, dout, alpha)
+    eager = run(interp(3, [1, 2, 3, 5, 8, 13, 21], "triton", scale=0.5), q, k, v, dout, alpha)
+    ref = run(interp(3, [1, 2, 3, 5, 8, 13, 21], "reference", scale=0.5), q, k, v, dout, alpha)
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    close(got, ref, **FP32)
+
+
+def test_the_ops_apply_only_to_compiled_cuda_calls_with_real_kernels():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not triton_ops.applies("triton", cuda)           # eager: the direct path (eager.py)
+    assert not triton_ops.applies("triton", cpu)
+    assert not triton_ops.applies("cpu", cpu)
+
+
+def _trace(kind: str) -> list:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("trace_triton_ops.py")
+    proc = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=script.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind, kernels", [("integer", ["fwd_kernel"]),
+                                           ("interpolated", ["plan_kernel", "fwd_kernel"]),
+                                           ("backward", ["plan_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"])])
+def test_a_compiled_cuda_call_launches_the_kernels_itself_and_reads_nothing_back(kind, kernels):
+    (graph,) = _trace(kind)
+    assert graph["kernels"] == kernels
+    assert graph["fibattn_ops"] == []           # nothing opaque left: inductor sees, plans and launches it all
+    assert graph["host"] == []                  # no host constant copied over, no value read back
+    assert graph["devices"] == ["cuda"]         # every tensor the graph makes is on the device
