@@ -1,6 +1,6 @@
 """Durability of every atomic writer: a file's bytes reach the disk (fsync) before a rename makes it visible
 under its final name, and a folder renamed into place has its own entries and every file in it synced first,
-its new parent synced after (docs/reliability.md, "Crash safety").
+its new parent synced after, as is the folder a staged file moves into (docs/reliability.md).
 
 The recorder below watches ``os.fsync``, ``os.rename`` and ``os.replace`` (``Path.rename`` / ``Path.replace``
 call them) and identifies files by inode, so it does not care how a writer names its temporary files: at each
@@ -30,7 +30,9 @@ def _ino(path_or_fd) -> tuple[int, int]:
 
 
 class Recorder:
-    """fsync / rename calls in order; ``problems()``: each rename whose source was not durable yet."""
+    """fsync / rename calls in order; ``problems()``: each rename whose source was not durable yet, and each
+    folder renamed or file moved from another folder whose new parent was not synced afterwards (a temp file
+    renamed within its folder needs no such sync: the old file stays whole until the new one is complete)."""
 
     def __init__(self, monkeypatch):
         self.monkeypatch = monkeypatch
@@ -73,8 +75,9 @@ class Recorder:
         for src, dst, missing, folder, at in self.renames:
             if missing:
                 out.append(f"{src} -> {dst}: not fsync'ed before the rename: {', '.join(sorted(missing))}")
-            if folder and dst.parent.exists() and _ino(dst.parent) not in self.syncs[at:]:
-                out.append(f"{src} -> {dst}: the folder's new parent {dst.parent} was not fsync'ed after it")
+            moved_in = folder or src.parent != dst.parent         # installed from elsewhere, not a temp's rename
+            if moved_in and dst.parent.exists() and _ino(dst.parent) not in self.syncs[at:]:
+                out.append(f"{src} -> {dst}: the new parent {dst.parent} was not fsync'ed after it")
         return out
 
     def renamed_to(self, name: str) -> list[Path]:

@@ -37,6 +37,7 @@ DOCS = "tests/test_documents.py"
 CP = "src/fibattn/parallel/context.py"
 HALO = "src/fibattn/parallel/halo.py"
 CP_PLAN = "tests/test_context_parallel_plan.py"
+DURABLE = "tests/test_durability.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -434,4 +435,20 @@ MUTATIONS = [
              (CP_PLAN,)),
     Mutation("halo-nothing-from-rank-0", "halo", HALO,
              "for src in range(rank) if", "for src in range(1, rank) if", (CP_PLAN,)),
+    # ---------------------------------------------------------------- 5. durability: fsync before rename
+    Mutation("atomic-write-unsynced", "durability", "src/fibattn/files.py",
+             "            os.fsync(fh.fileno())\n", "            pass\n", (DURABLE,)),
+    Mutation("checkpoint-entries-unsynced", "durability", "src/fibattn/storage/checkpoint.py",
+             "    fsync_dir(tmp)\n", "", (DURABLE,)),
+    Mutation("checkpoint-rename-unsynced", "durability", "src/fibattn/storage/checkpoint.py",
+             "    fsync_dir(root)\n", "", (DURABLE,)),
+    Mutation("checkpoint-tokenizer-copied", "durability", "src/fibattn/trainer/state.py",
+             'atomic_write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())',
+             'shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")', (DURABLE,)),
+    Mutation("export-stage-unsynced", "durability", "src/fibattn/storage/export.py",
+             "    fsync_dir(stage)\n", "", (DURABLE,)),
+    Mutation("export-forced-files-unsynced", "durability", "src/fibattn/storage/export.py",
+             "    fsync_dir(out)\n", "", (DURABLE,)),
+    Mutation("prepare-staging-unsynced", "durability", "src/fibattn/data/pipeline.py",
+             "    fsync_dir(staging)\n", "", (DURABLE,)),
 ]
