@@ -38,6 +38,7 @@ CP = "src/fibattn/parallel/context.py"
 HALO = "src/fibattn/parallel/halo.py"
 CP_PLAN = "tests/test_context_parallel_plan.py"
 DURABLE = "tests/test_durability.py"
+RANKS = "tests/test_resume_ranks.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -451,4 +452,22 @@ MUTATIONS = [
              "    fsync_dir(out)\n", "", (DURABLE,)),
     Mutation("prepare-staging-unsynced", "durability", "src/fibattn/data/pipeline.py",
              "    fsync_dir(staging)\n", "", (DURABLE,)),
+    # ---------------------------------------------------------------- 3. resuming each rank of a data-parallel run
+    Mutation("restore-every-rank-reads-rank-0", "rank resume", "src/fibattn/trainer/state.py",
+             "    mine = dist.rank if same else 0\n", "    mine = 0\n", (RANKS,)),
+    Mutation("restore-rng-of-rank-0", "rank resume", "src/fibattn/trainer/state.py",
+             'set_rng_state(c.state(f"rng-rank{mine}"), dist.device)', 'set_rng_state(c.state("rng-rank0"), dist.device)',
+             (RANKS,)),
+    Mutation("restore-world-size-compare-inverted", "rank resume", "src/fibattn/trainer/state.py",
+             'same = trainer["world_size"] == dist.world_size', 'same = trainer["world_size"] != dist.world_size',
+             (RANKS,)),
+    # ---------------------------------------------------------------- 4. resharding a loader on ranks > 0
+    Mutation("reshard-offset-by-saved-micro-batch", "loader reshard", "src/fibattn/data/loader.py",
+             'int(state["next_global"]) + self.rank * self.micro_batch',
+             'int(state["next_global"]) + self.rank * int(state["micro_batch"])', (RANKS,)),
+    Mutation("reshard-offset-strides-a-world", "loader reshard", "src/fibattn/data/loader.py",
+             'int(state["next_global"]) + self.rank * self.micro_batch',
+             'int(state["next_global"]) + self.rank * self.micro_batch * self.world_size', (RANKS,)),
+    Mutation("resume-layout-ignores-micro-batch", "loader reshard", "src/fibattn/data/loader.py",
+             'for k in ("rank", "world_size", "micro_batch"))', 'for k in ("rank", "world_size"))', (RANKS,)),
 ]
