@@ -76,7 +76,7 @@ def test_a_misspelt_key_gets_the_close_one_not_every_key(item, want):
 
 def test_a_toml_config_reads_like_json_and_its_errors_name_file_and_line(tmp_path, capsys):
     toml = tmp_path / "run.toml"
-    toml.write_text('name = "mine"\n[model]\nwindow = 3\nalphas = [0.5, 1.5]\n[train]\nlr = 1e-3\n'
+    toml.write_text('name = "mine"\n[model]\nwindow = 3\nschedule = "custom"\nalphas = [0.5, 1.5]\n[train]\nlr = 1e-3\n'
                     '[[data.sources]]\nname = "notes"\nkind = "files"\npath = "/tmp/notes"\nexclude = ["*.log"]\n')
     cfg = C.load(toml)
     assert (cfg.name, cfg.model.window, cfg.model.alphas, cfg.train.lr) == ("mine", 3, [0.5, 1.5], 1e-3)

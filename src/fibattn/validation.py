@@ -14,6 +14,7 @@ import typing
 from . import devices
 from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
                      field_help, show_value, switch_value)
+from .effective import check_honoured, given_by_file, given_by_set, recorded, unread   # noqa: F401 (callers')
 
 # ----------------------------------------------------------------------------- validation
 def _need(ok: bool, msg: str):
@@ -260,51 +261,26 @@ def validate_eval(e: EvalConfig) -> None:
         _need(m in baselines, f"eval.dense_modes items must be {', '.join(baselines)}, got {show_value(m)}")
 
 
-# settings that only some configs read: key -> (the setting that decides, the values with which it is read)
-_CONDITIONAL = {"data.vocab_size": ("data.tokenizer", ("bpe",)), "model.alphas": ("model.schedule", ("custom",)),
-                "model.base_values": ("model.base", ("custom",)), "model.base_k": ("model.base", ("fib",)),
-                "model.learned_init": ("model.schedule", ("learned",)),
-                "model.alpha": ("model.schedule", ("fixed", "learned"))}
-
-
-def given_by_set(items) -> dict:
-    """``--set KEY=VALUE`` items as :func:`check_honoured` takes them."""
-    keys = (str(item).split("=", 1)[0].strip() for item in items or [])
-    return {k: f"--set {k}" for k in keys}
-
-
 def validate_given(cfg: RunConfig, config_file=None, sets=()) -> RunConfig:
-    """:func:`validate`, naming the ``--config`` file when the refused field's value came from it (a
-    field no ``--set`` gave)."""
+    """:func:`validate`, naming the ``--config`` file when a field the refusal names came from it (a field no
+    ``--set`` gave; the first such field). ``config_file``: one file, or key -> file (:func:`fibattn.config.
+    load_all`)."""
     try:
         return validate(cfg)
     except ConfigError as exc:
-        field = str(exc).split(" ", 1)[0].split("[", 1)[0].rstrip(":,")
         keys = {s.split("=", 1)[0].strip() for s in sets or ()}
-        if config_file and "." in field and field not in keys:
-            raise ConfigError(f"config file {config_file}: {exc}") from None
+        named = [w.rstrip(":,.;)") for w in str(exc).replace("(", " ").split()]
+        named = [w for w in named if "." in w and w.split("[", 1)[0].split(".", 1)[0] in _SECTIONS]
+        for field in named:
+            for key in (field, field.split("[", 1)[0]):
+                path = (config_file.get(key) if isinstance(config_file, dict)
+                        else config_file if config_file else None)
+                if path and key not in keys:
+                    raise ConfigError(f"config file {path}: {exc}") from None
         raise
 
 
-def given_by_file(cfg: RunConfig, path) -> dict:
-    """``data.vocab_size`` when a ``--config`` file sets it away from its default, for :func:`check_honoured`.
-    Only that key: a saved config lists every key, and a preset's model settings (``base_k`` under a
-    pow2 base, say) reach a run's config.json without the user having asked for them."""
-    if cfg.data.vocab_size != RunConfig().data.vocab_size:
-        return {"data.vocab_size": f"--config {path}"}
-    return {}
-
-
-def check_honoured(cfg: RunConfig, given: dict) -> None:
-    """Refuse a setting the user gave (``given``: key -> how, e.g. ``--set data.vocab_size``) that ``cfg``
-    does not read: silently ignored, it would train something else than asked."""
-    def value(key):
-        section, name = key.split(".")
-        return getattr(getattr(cfg, section), name)
-    for key, (decider, values) in _CONDITIONAL.items():
-        if key in given and value(decider) not in values:
-            raise ConfigError(f"{given[key]}: {key} has no effect with {decider}={show_value(value(decider))} (it is "
-                              f"read only with {decider}={' or '.join(values)}); drop it, or set {decider}")
+_SECTIONS = ("name", "model", "data", "train", "eval")
 
 
 def fit_warmup(t: TrainConfig, given: dict | None = None) -> str | None:

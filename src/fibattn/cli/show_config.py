@@ -17,15 +17,15 @@ from .. import config as C
 from ..checks import did_you_mean
 from ..config import ConfigError
 from ..presets import PRESETS, get_preset
-from ..validation import check_honoured, given_by_set, validate_given
+from ..validation import check_honoured, given_by_file, given_by_set, recorded, validate_given
 
 
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", default=None, help=f"{' | '.join(PRESETS)} (default tiny)")
     parser.add_argument("keys", nargs="*", metavar="KEY", help="show only the keys containing KEY (e.g. warmup)")
-    parser.add_argument("--config", default=None, metavar="FILE.json|FILE.toml",
+    parser.add_argument("--config", action="append", default=None, metavar="FILE.json|FILE.toml",
                         help="a config file, JSON (e.g. a run's config.json) or TOML; keys it leaves out keep the "
-                             "preset-free defaults")
+                             "preset-free defaults; repeat to merge several in order, as in train")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, as in train")
     parser.add_argument("--json", action="store_true", help="print the config as JSON instead of KEY = VALUE lines")
 
@@ -59,11 +59,11 @@ def rows(cfg) -> list[tuple[str, str, str, str]]:
 def run(args) -> int:
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
-    cfg = C.load(args.config) if args.config else get_preset(args.preset or "tiny")
-    validate_given(C.apply_overrides(cfg, args.set), args.config, args.set)
-    check_honoured(cfg, given_by_set(args.set))
-    if args.json:
-        print(json.dumps(C.to_dict(cfg), indent=2, sort_keys=True))
+    cfg, origins = C.load_all(args.config) if args.config else (get_preset(args.preset or "tiny"), {})
+    validate_given(C.apply_overrides(cfg, args.set), origins, args.set)
+    check_honoured(cfg, {**given_by_file(cfg, origins), **given_by_set(args.set)})
+    if args.json:                       # what a run records: reusable as a --config file
+        print(json.dumps(recorded(cfg), indent=2, sort_keys=True))
         return 0
     table = rows(cfg)
     for want in args.keys:

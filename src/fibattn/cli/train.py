@@ -25,8 +25,9 @@ def build_config(args, notes: list | None = None) -> RunConfig:
     say = log.info if notes is None else notes.append
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
+    origins: dict = {}
     if args.config:
-        cfg = C.load(args.config)
+        cfg, origins = C.load_all(args.config)      # repeated: merged in order, later files override
     else:
         cfg = get_preset(args.preset or "tiny")
     sets = args.set or []
@@ -54,8 +55,10 @@ def build_config(args, notes: list | None = None) -> RunConfig:
         cfg.train.out_dir = args.out
         if "name" not in keys:
             cfg.name = Path(args.out).resolve().name       # a run is named after its folder
-    validate_given(cfg, args.config, sets)
-    given = {**(given_by_file(cfg, args.config) if args.config else {}), **given_by_set(sets)}
+    if args.data:                                    # the folder's data settings replace the files'
+        origins = {k: v for k, v in origins.items() if not k.startswith("data.")}
+    validate_given(cfg, origins, sets)
+    given = {**given_by_file(cfg, origins), **given_by_set(sets)}
     check_honoured(cfg, given)
     note = fit_warmup(cfg.train, given)
     if note:
@@ -76,8 +79,9 @@ def init_architecture(cfg: RunConfig, spec: str, keys: list[str]) -> None:
 
 def configure_parser(parser) -> None:
     parser.add_argument("--preset", choices=None, default=None, help="paper | tiny (default tiny)")
-    parser.add_argument("--config", default=None, metavar="FILE.json|FILE.toml",
-                        help="a config file: JSON (e.g. a run's config.json) or TOML")
+    parser.add_argument("--config", action="append", default=None, metavar="FILE.json|FILE.toml",
+                        help="a config file: JSON (e.g. a run's config.json) or TOML; repeat to merge several in "
+                             "order (a later file's values replace an earlier one's); --set overrides them")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. model.window=8 (repeat)")
     parser.add_argument("--data", default=None, metavar="DIR",
                         help="a folder from `fibattn prepare` (e.g. --files): its sources, tokenizer and vocabulary")

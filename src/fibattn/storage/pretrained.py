@@ -36,6 +36,8 @@ except ImportError:                       # older safetensors
 
 from ..checks import UsageError, check_keys
 from ..data.tokenizers import EXPORTED_TOKENIZER_FILE
+from ..config import RunConfig
+from ..effective import check_honoured
 from ..files import listed_file_problem
 from .foreign import foreign_hint
 from .shapes import load_checked
@@ -175,6 +177,7 @@ def load_pretrained(path, *, device="cpu", model_overrides: dict | None = None) 
     check_keys("model_overrides", model_overrides or {}, ("reach", "backend", "max_seq_len"))
     for key, value in (model_overrides or {}).items():
         setattr(mcfg, key, value)
+    check_honoured(RunConfig(model=mcfg), {f"model.{k}": f"model_overrides {k}" for k in model_overrides or {}})
     validate_model(mcfg)
     try:
         tensors = st_load(weights)

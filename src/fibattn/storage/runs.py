@@ -22,6 +22,7 @@ from .shapes import load_checked
 from .. import config as C
 from ..model.lm import FibLM
 from ..model.rope import SCALING_KINDS
+from ..effective import check_honoured, given_by_set
 from ..validation import validate_model
 
 log = logging.getLogger("fibattn")
@@ -178,6 +179,7 @@ def load_run(run_dir, step="latest", *, device="cpu", model_overrides: list[str]
         if key not in RUNTIME_KEYS:
             raise UsageError(f"model_overrides (generate --set) may only set {', '.join(RUNTIME_KEYS)}, got {key!r}")
     C.apply_overrides(cfg, list(model_overrides or []))
+    check_honoured(cfg, {k: f"model_overrides (generate --set) {k}" for k in given_by_set(model_overrides)})
     try:
         validate_model(cfg.model)
     except C.ConfigError as exc:        # an override that does not fit the run's other settings: name it

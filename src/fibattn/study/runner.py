@@ -29,6 +29,7 @@ from typing import Callable
 from .. import config as C
 from ..config import ConfigError, RunConfig
 from ..data.pipeline import normalise
+from ..effective import recorded, unread
 from ..devices import resolve_device
 from ..ops.backends import check_model_runs
 from .grid import Grid, GridRun
@@ -84,9 +85,10 @@ def flat_config(d: dict, prefix: str = "") -> dict:
 
 def settings_diff(saved: dict, cfg: RunConfig) -> list[str]:
     """``key: old -> new`` for every result-changing setting that differs."""
-    a, b = flat_config(C.with_defaults(saved)), flat_config(C.to_dict(cfg))
+    a, b, off = flat_config(C.with_defaults(saved)), flat_config(C.with_defaults(recorded(cfg))), unread(cfg)
     keys = sorted(k for k in set(a) | set(b) if k not in RUNTIME_KEYS and not k.startswith("train.init_source")
-                  and a.get(k) != b.get(k))          # init_source: recorded by the trainer from init_from
+                  and k not in off and a.get(k) != b.get(k))   # init_source: recorded by the trainer from init_from
+    # (off: what neither reads -- a run records only what acts)
     return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from .. import config as C
+from ..effective import unread
 from .pages import Table, Text
 from .runner import RUNTIME_KEYS, flat_config
 
@@ -15,17 +16,9 @@ _HEADLINE = ("train.steps", "train.batch_tokens", "model.seq_len", "model.d_mode
              "model.n_heads", "model.n_kv_heads", "model.vocab_size", "train.lr", "train.seed")
 
 
-SPARSE_ONLY = {f"model.{k}" for k in ("base", "base_k", "base_values", "window", "schedule", "alpha", "a_min",
-                                       "a_max", "alphas", "learned_init", "reach")}   # no meaning for dense attention
-
-
-RUNG_ONLY = SPARSE_ONLY - {"model.base", "model.window"}     # no meaning without rungs (model.base=none)
-
-
-def _cell(flat: dict, key: str) -> str:
-    if flat.get("model.attention") == "dense" and key in SPARSE_ONLY:
-        return "—"
-    return "—" if flat.get("model.base") == "none" and key in RUNG_ONLY else _show(flat.get(key, ""))
+def _cell(flat: dict, key: str, off) -> str:
+    """A run's value of ``key``, or a dash where the run does not read it (:func:`fibattn.effective.unread`)."""
+    return "—" if key in off else _show(flat.get(key, ""))
 
 
 def _show(value) -> str:
@@ -34,8 +27,10 @@ def _show(value) -> str:
 
 def settings_blocks(grid, root) -> list:
     """A sentence with the shared recipe and a table of what differs between the grid's runs."""
-    flats = {run.name: {k: v for k, v in flat_config(C.to_dict(grid.config(run, root))).items()
-                        if k not in RUNTIME_KEYS} for run in grid.runs}
+    cfgs = {run.name: grid.config(run, root) for run in grid.runs}
+    offs = {name: unread(cfg) for name, cfg in cfgs.items()}
+    flats = {name: {k: v for k, v in flat_config(C.to_dict(cfg)).items() if k not in RUNTIME_KEYS}
+             for name, cfg in cfgs.items()}
     if not flats:
         return []
     keys = sorted(set().union(*flats.values()))
@@ -51,6 +46,6 @@ def settings_blocks(grid, root) -> list:
     blocks: list = [Text(text)]
     if differ:
         table = Table("What sets the runs apart", ["run"] + differ)
-        table.rows = [[name] + [_cell(f, k) for k in differ] for name, f in flats.items()]
+        table.rows = [[name] + [_cell(f, k, offs[name]) for k in differ] for name, f in flats.items()]
         blocks.append(table)
     return blocks

@@ -21,8 +21,9 @@ import torch
 
 from ..storage import checkpoint as ck
 from ..storage.shapes import check_shapes, load_checked
-from ..config import RunConfig, to_dict, with_defaults
-from ..files import atomic_write_bytes, atomic_write_text
+from ..config import RunConfig, with_defaults
+from ..effective import recorded, save_recorded, unread
+from ..files import atomic_write_bytes
 from .distributed import DistInfo, broadcast_int, together
 
 log = logging.getLogger("fibattn")
@@ -60,7 +61,7 @@ def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trai
                 ck.write_tensors(tmp, "model", model.state_dict())
                 ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
                 ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
-                atomic_write_text(tmp / "config.json", json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+                save_recorded(cfg, tmp / "config.json")
                 if tokenizer_file is not None:             # synced like every file of the folder (not copyfile)
                     atomic_write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
         except OSError as exc:               # disk full, permissions: one line naming the folder and the setting
@@ -175,18 +176,20 @@ def saved_window(w) -> dict | None:
 
 
 def check_compatible(saved: dict, cfg: RunConfig, path: Path) -> list[str]:
-    """Raise if the model differs from the checkpoint's; return other changed keys."""
-    now, saved = to_dict(cfg), with_defaults(saved)
-    keys = set(saved["model"]) | set(now["model"])
+    """Raise if the model differs from the checkpoint's; return other changed keys. Settings ``cfg`` does not
+    read are not compared (a run records only what acts; an older one recorded every key)."""
+    now, saved, off = with_defaults(recorded(cfg)), with_defaults(saved), unread(cfg)
+    keys = {k for k in set(saved["model"]) | set(now["model"]) if f"model.{k}" not in off}
     diff_model = sorted(k for k in keys - set(RUNTIME_MODEL_KEYS) if saved["model"].get(k) != now["model"].get(k))
     if diff_model:
         k = diff_model[0]
         raise ck.CheckpointError(f"cannot resume from {path}: model.{k} is {now['model'].get(k)!r} but the "
                                  f"checkpoint has {saved['model'].get(k)!r}")
-    changed = [f"model.{k}" for k in RUNTIME_MODEL_KEYS if saved["model"].get(k) != now["model"].get(k)]
+    changed = [f"model.{k}" for k in RUNTIME_MODEL_KEYS if saved["model"].get(k) != now["model"].get(k)
+               and f"model.{k}" not in off]
     for section in ("data", "train"):
         for k in sorted(set(saved[section]) | set(now[section])):
-            if saved[section].get(k) != now[section].get(k) and k != "out_dir":
+            if saved[section].get(k) != now[section].get(k) and k != "out_dir" and f"{section}.{k}" not in off:
                 changed.append(f"{section}.{k}")
     return changed
 
