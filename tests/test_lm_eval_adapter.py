@@ -88,6 +88,52 @@ def test_generate_until_stops(scorer):
     assert cut == free[:free.find(stop)] and stop not in cut
 
 
+@pytest.mark.parametrize("L", [16, 13, 83])
+def test_a_short_last_window_keeps_a_full_max_length_of_context(scorer, L):
+    """The docstring's promise, written out here: window ``j`` predicts tokens ``jL .. min((j+1)L, n) - 1`` from
+    the ``L`` inputs (end-of-document, then the text) right before its last target, so a short last window
+    (84 tokens: 4 targets at L=16, 6 at 13, 1 at 83) still reads a full ``L`` of context."""
+    toks = list(TEXT.encode())
+    n, seq = len(toks), [255] + toks
+    assert n % L and n > L
+    want = [(seq[max(0, end - L):end], toks[start:end])
+            for start in range(0, n, L) for end in [min(start + L, n)]]
+    got = FibScorer(scorer.model, scorer.tokenizer, max_length=L).rolling_windows(toks)
+    assert got == want
+    assert all(len(inputs) == L for inputs, _ in got)          # the last, short window too
+    total = 0.0
+    for inputs, targets in want:                               # each window on its own, by the model
+        lp = direct_logprobs(scorer.model, inputs + [targets[-1]])
+        total += float(lp[-len(targets):].sum())
+    got_total = FibScorer(scorer.model, scorer.tokenizer, max_length=L).loglikelihood_rolling(TEXT)
+    assert got_total == pytest.approx(total, rel=1e-5)
+
+
+def test_generate_until_cuts_at_the_earliest_of_several_stops(scorer):
+    """Stops that occur at different places, in either order in ``until``: the text ends before the earliest
+    one, whichever is listed first, also when one token completes two stops at once (sampled text: a micro
+    model's greedy text repeats one character)."""
+    kw = {"max_gen_toks": 12, "do_sample": True, "temperature": 1.0, "seed": 3}
+    free = scorer.generate_until("To be", {**kw, "until": []})
+    first = {}
+    for i, ch in enumerate(free):
+        if ch.isascii() and ch.isprintable():
+            first.setdefault(ch, i)
+    at = sorted(first.items(), key=lambda kv: kv[1])[1:]       # not at 0: an empty cut proves less
+    assert len(at) >= 3, free
+    (early, i), (middle, _), (late, _) = at[0], at[len(at) // 2], at[-1]
+    for until in ([early, late], [late, early], [late, middle, early], [late, "\x00never", early]):
+        got = scorer.generate_until("To be", {**kw, "until": until})
+        assert got == free[:i], f"until={until!r}: {got!r}, want {free[:i]!r}"
+    assert scorer.generate_until("To be", {**kw, "until": [late]}) == free[:free.index(late)]
+    # two stops completed by one token: a longer one and its last character; the longer starts earlier
+    p = next(p for p in range(1, len(free) - 2) if all(c.isascii() and c.isprintable() for c in free[p:p + 3])
+             and free.index(free[p:p + 3]) == p and free.index(free[p + 2]) == p + 2)
+    longer, last = free[p:p + 3], free[p + 2]
+    for until in ([last, longer], [longer, last]):
+        assert scorer.generate_until("To be", {**kw, "until": until}) == free[:p], until
+
+
 def _greedy(model, ids, n):
     out = []
     for _ in range(n):

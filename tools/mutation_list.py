@@ -39,6 +39,8 @@ HALO = "src/fibattn/parallel/halo.py"
 CP_PLAN = "tests/test_context_parallel_plan.py"
 DURABLE = "tests/test_durability.py"
 RANKS = "tests/test_resume_ranks.py"
+LM_EVAL = "src/fibattn/interop/lm_eval_adapter.py"
+LM_EVAL_T = "tests/test_lm_eval_adapter.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -470,4 +472,22 @@ MUTATIONS = [
              'int(state["next_global"]) + self.rank * self.micro_batch * self.world_size', (RANKS,)),
     Mutation("resume-layout-ignores-micro-batch", "loader reshard", "src/fibattn/data/loader.py",
              'for k in ("rank", "world_size", "micro_batch"))', 'for k in ("rank", "world_size"))', (RANKS,)),
+    # ---------------------------------------------------------------- 6. lm-eval rolling windows' inputs
+    Mutation("rolling-context-one-short", "rolling windows", LM_EVAL,
+             "out.append((seq[max(0, end - L):end], list(tokens[start:end])))",
+             "out.append((seq[max(0, end - L + 1):end], list(tokens[start:end])))", (LM_EVAL_T, "-k", "short_last")),
+    Mutation("rolling-last-window-padded", "rolling windows", LM_EVAL,
+             "out.append((seq[max(0, end - L):end], list(tokens[start:end])))",
+             "out.append((([self.eos] * (L - end + start) + seq[max(0, start):end])[-L:], list(tokens[start:end])))",
+             (LM_EVAL_T, "-k", "short_last")),
+    # ---------------------------------------------------------------- 7. several stop strings
+    Mutation("stops-cut-at-the-latest", "stop strings", LM_EVAL,
+             "    return min(hits) if hits else None\n", "    return max(hits) if hits else None\n",
+             (LM_EVAL_T, "-k", "several_stops")),
+    Mutation("stops-first-listed-wins", "stop strings", LM_EVAL,
+             "hits = [text.find(s) for s in until if s and s in text]",
+             "hits = [text.find(s) for s in until if s and s in text][:1]", (LM_EVAL_T, "-k", "several_stops")),
+    Mutation("stops-cut-keeps-a-character", "stop strings", LM_EVAL,
+             "    return min(hits) if hits else None\n", "    return min(hits) + 1 if hits else None\n",
+             (LM_EVAL_T, "-k", "several_stops")),
 ]
