@@ -192,8 +192,8 @@ def test_evaluate_run_writes_json_db_and_plots(tmp_path):
     assert [r.length for r in rep.records] == [32, 64] and rep.settings["step"] == 7
     evaluate_run(run, data=data, device="cpu", lengths=[32], reach="train", datasets=["x"], plot=False)
     doc = json.loads((run / "eval.json").read_text())
-    keys = {(r["dataset"], r["length"], r["mode"]) for r in doc["results"]}
-    assert keys == {("x", 32, "study"), ("x", 64, "study"), ("x", 32, "train")}      # merged, not overwritten
+    keys = sorted((r["dataset"], r["length"], r["mode"]) for r in doc["results"])     # a list: duplicates show
+    assert keys == [("x", 32, "study"), ("x", 32, "train"), ("x", 64, "study")]      # merged, not overwritten
     assert doc["results"][0]["buckets"] and doc["results"][0]["step"] == 7
     assert "largest move from start: layer" in doc["alphas"]["largest_move_line"]
     with sqlite3.connect(tmp_path / "runs" / "results.sqlite") as con:
@@ -203,6 +203,31 @@ def test_evaluate_run_writes_json_db_and_plots(tmp_path):
     assert (run / "alphas.png").is_file()
     with pytest.raises(ValueError, match="unknown dataset 'z'.*x, y"):
         evaluate_run(run, data=data, device="cpu", datasets=["z"])
+
+
+def test_evaluating_the_same_dataset_length_and_mode_again_replaces_its_record(tmp_path):
+    """eval.json and the results DB hold one record per (dataset, length, mode): a re-evaluation replaces it
+    (its new token budget shows), other modes at the same length and other lengths stay, and a request that
+    names a length or dataset twice records it once. Compared as lists, so a duplicate cannot hide."""
+    from collections import Counter
+    run, _ = _make_run(tmp_path)
+    data = FakeData({"x": RNG.integers(0, 255, size=400), "y": RNG.integers(0, 255, size=400)})
+    evaluate_run(run, data=data, device="cpu", lengths=[32, 64], tokens=256, plot=False, alpha_report=False)
+    yarn = evaluate_run(run, data=data, device="cpu", lengths=[32], datasets=["x"], tokens=256, mode="yarn",
+                        rope_factor=2.0, plot=False, alpha_report=False).settings["mode"]
+    again = evaluate_run(run, data=data, device="cpu", lengths=[32, 32], datasets=["x", "x"], tokens=128,
+                         plot=False, alpha_report=False)
+    assert [(r.dataset, r.length, r.mode) for r in again.records] == [("x", 32, "study")]
+    want = sorted([("x", 32, "study"), ("x", 64, "study"), ("y", 32, "study"), ("y", 64, "study"), ("x", 32, yarn)])
+    doc = json.loads((run / "eval.json").read_text())
+    keys = [(r["dataset"], r["length"], r["mode"]) for r in doc["results"]]
+    assert sorted(keys) == want and max(Counter(keys).values()) == 1
+    tokens = {(r["dataset"], r["length"], r["mode"]): r["tokens"] for r in doc["results"]}
+    assert tokens[("x", 32, "study")] == again.records[0].tokens < tokens[("y", 32, "study")] == tokens[("x", 32, yarn)]
+    with sqlite3.connect(tmp_path / "runs" / "results.sqlite") as con:
+        rows = con.execute("SELECT dataset, length, reach, tokens FROM eval_results WHERE run='r1'").fetchall()
+    assert sorted((d, n, m) for d, n, m, _ in rows) == want
+    assert {(d, n, m): t for d, n, m, t in rows} == tokens
 
 
 def _cli(argv):

@@ -41,6 +41,8 @@ DURABLE = "tests/test_durability.py"
 RANKS = "tests/test_resume_ranks.py"
 LM_EVAL = "src/fibattn/interop/lm_eval_adapter.py"
 LM_EVAL_T = "tests/test_lm_eval_adapter.py"
+RUN_FOLDER = "src/fibattn/eval/run_folder.py"
+EVAL_T = "tests/test_evaluate.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -490,4 +492,20 @@ MUTATIONS = [
     Mutation("stops-cut-keeps-a-character", "stop strings", LM_EVAL,
              "    return min(hits) if hits else None\n", "    return min(hits) + 1 if hits else None\n",
              (LM_EVAL_T, "-k", "several_stops")),
+    # ---------------------------------------------------------------- 8. re-evaluating one (dataset, length, mode)
+    Mutation("eval-json-keeps-old-records", "re-evaluation", RUN_FOLDER,
+             'kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length"), r.get("mode")) not in new]',
+             'kept = list(doc["results"])', (EVAL_T, "-k", "same_dataset")),
+    Mutation("eval-json-replaces-by-length-only", "re-evaluation", RUN_FOLDER,
+             'kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length"), r.get("mode")) not in new]',
+             'kept = [r for r in doc["results"] if (r.get("dataset"), r.get("length")) not in {k[:2] for k in new}]',
+             (EVAL_T, "-k", "same_dataset")),
+    Mutation("eval-db-keyed-by-reach", "re-evaluation", RUN_FOLDER,
+             "db.log_eval(run, r.dataset, r.length, r.mode,", "db.log_eval(run, r.dataset, r.length, r.reach,",
+             (EVAL_T, "-k", "same_dataset")),
+    Mutation("eval-lengths-keep-repeats", "re-evaluation", PPL,
+             "    return sorted({int(n) for n in lengths})\n", "    return sorted(int(n) for n in lengths)\n",
+             (EVAL_T, "-k", "same_dataset")),
+    Mutation("eval-db-keeps-the-old-row", "re-evaluation", "src/fibattn/storage/results.py",
+             '"INSERT OR REPLACE INTO eval_results', '"INSERT OR IGNORE INTO eval_results', (EVAL_T, "-k", "same_dataset")),
 ]
