@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import ConfigError, did_you_mean
+from .effective import recorded
 
 # Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
@@ -248,8 +249,10 @@ def from_dict(data: dict) -> RunConfig:
 
 
 def save(cfg: RunConfig, path) -> None:
+    """Write ``cfg`` as a config file (a run's ``config.json``), atomically: only the settings that act
+    (:func:`fibattn.effective.recorded`; loading gives the others their defaults, which do not act either)."""
     from .files import atomic_write_text
-    atomic_write_text(path, json.dumps(to_dict(cfg), indent=2, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(recorded(cfg), indent=2, sort_keys=True) + "\n")
 
 
 def read_file(path) -> dict:

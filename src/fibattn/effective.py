@@ -15,9 +15,10 @@ A preset's values are not the user's: a preset setting read no more after a ``--
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from .config import ConfigError, RunConfig, SourceConfig, show_value, to_dict
+from .checks import ConfigError
 
 _SPARSE = ("model.attention", ("sparse",))
 _RUNGS = ("model.base", ("fib", "pow2", "custom"))          # none: the window alone, no rung for alpha to place
@@ -41,18 +42,28 @@ READ_WITH = {
 SOURCE_READ_WITH = {"path": ("files", "hf"), "subset": ("hf",), "split": ("hf",), "text_field": ("files", "hf"),
                     "include": ("files",), "exclude": ("files",)}
 RECORDS = ("train.init_source",)          # written by the run from train.init_from: a record, never an input
+# (this module works on any config dataclass, so that fibattn.config can record through it)
 
 
-def _value(cfg: RunConfig, key: str):
+def _value(cfg, key: str):
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_source(src) -> bool:
+    return dataclasses.is_dataclass(src) and hasattr(src, "kind")
 
 
 def _words(values) -> str:
     return " or ".join(json.dumps(v) if isinstance(v, bool) else str(v) for v in values)
 
 
-def _missing(cfg: RunConfig, needs) -> tuple[str, str] | None:
+def _missing(cfg, needs) -> tuple[str, str] | None:
     """``(why, the setting to change)`` for the first requirement of ``needs`` that ``cfg`` does not meet."""
     for need in needs:
         decider, values = need[0], need[1]
@@ -60,11 +71,11 @@ def _missing(cfg: RunConfig, needs) -> tuple[str, str] | None:
             continue
         v = _value(cfg, decider)
         if v not in values:
-            return f"{decider}={show_value(v)} (it is read only with {decider}={_words(values)})", decider
+            return f"{decider}={_show(v)} (it is read only with {decider}={_words(values)})", decider
     return None
 
 
-def _reach_unread(cfg: RunConfig) -> tuple[str, str] | None:
+def _reach_unread(cfg) -> tuple[str, str] | None:
     m = cfg.model
     if m.attention == "sparse" and m.base == "none" and isinstance(m.window, int) and isinstance(m.seq_len, int) \
             and m.window < m.seq_len:
@@ -73,7 +84,7 @@ def _reach_unread(cfg: RunConfig) -> tuple[str, str] | None:
     return None
 
 
-def unread(cfg: RunConfig) -> dict[str, tuple[str, str]]:
+def unread(cfg) -> dict[str, tuple[str, str]]:
     """Every key ``cfg`` does not read: key -> ``(why, the setting that decides)``. Keys of a source are
     ``data.sources[i].FIELD``."""
     out = {}
@@ -83,11 +94,11 @@ def unread(cfg: RunConfig) -> dict[str, tuple[str, str]]:
             out[key] = hit
     sources = cfg.data.sources if isinstance(cfg.data.sources, list) else []
     for i, src in enumerate(sources):
-        if not isinstance(src, SourceConfig):
+        if not _is_source(src):
             continue
         for name, kinds in SOURCE_READ_WITH.items():
             if src.kind not in kinds:
-                out[f"data.sources[{i}].{name}"] = (f"data.sources[{i}].kind={show_value(src.kind)} (it is read "
+                out[f"data.sources[{i}].{name}"] = (f"data.sources[{i}].kind={_show(src.kind)} (it is read "
                                                     f"only with kind={_words(kinds)})", f"data.sources[{i}].kind")
     return out
 
@@ -128,27 +139,28 @@ def flat_keys(doc: dict) -> dict:
     return out
 
 
-def _default(key: str):
-    if key.startswith("data.sources["):
-        return getattr(SourceConfig(), key.rsplit(".", 1)[1], None)
-    try:
-        return _value(RunConfig(), key) if "." in key else getattr(RunConfig(), key)
-    except AttributeError:
-        return None
+def _defaults(cfg) -> dict:
+    """Every key's default, as :func:`flat_keys` names them (a source's fields: the first source's class)."""
+    out = flat_keys(dataclasses.asdict(type(cfg)()))
+    sources = [s for s in getattr(cfg.data, "sources", []) if _is_source(s)]
+    if sources:
+        blank = dataclasses.asdict(type(sources[0])())
+        out.update({f"data.sources[{i}].{k}": v for i in range(len(cfg.data.sources)) for k, v in blank.items()})
+    return out
 
 
-def given_by_file(cfg: RunConfig, origins) -> dict:
+def given_by_file(cfg, origins) -> dict:
     """The keys ``--config`` files set away from their defaults, as :func:`check_honoured` takes them.
     ``origins``: key -> the file that set it (:func:`fibattn.config.load_all`), or one file's path (every key
     from it). A saved config lists every key: a value at its default asks for nothing."""
+    now, defaults = flat_keys(dataclasses.asdict(cfg)), _defaults(cfg)
     if not isinstance(origins, dict):
-        origins = {k: origins for k in flat_keys(to_dict(cfg))}
-    now = flat_keys(to_dict(cfg))
+        origins = {k: origins for k in now}
     return {k: f"--config {path}" for k, path in origins.items()
-            if k in now and k not in RECORDS and now[k] != _default(k)}
+            if k in now and k not in RECORDS and now[k] != defaults.get(k)}
 
 
-def check_honoured(cfg: RunConfig, given: dict) -> None:
+def check_honoured(cfg, given: dict) -> None:
     """Refuse a setting the user gave (``given``: key -> how, e.g. ``--set data.vocab_size``) that ``cfg``
     does not read: silently ignored, it would train something else than asked."""
     off = unread(cfg)
@@ -159,10 +171,10 @@ def check_honoured(cfg: RunConfig, given: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- what a run records
-def recorded(cfg: RunConfig) -> dict:
+def recorded(cfg) -> dict:
     """``cfg`` as a run records it: every key it reads, none it does not (loading fills those with their
     defaults, which are not read either)."""
-    doc, off = to_dict(cfg), unread(cfg)
+    doc, off = dataclasses.asdict(cfg), unread(cfg)
     for key in off:
         if key.startswith("data.sources["):
             i, name = key[len("data.sources["):].split("].")
@@ -174,10 +186,5 @@ def recorded(cfg: RunConfig) -> dict:
 
 
 __all__ = ["READ_WITH", "RECORDS", "SOURCE_READ_WITH", "check_honoured", "flat_keys", "given_by_file",
-           "given_by_set", "recorded", "save_recorded", "unread"]
+           "given_by_set", "recorded", "unread"]
 
-
-def save_recorded(cfg: RunConfig, path) -> None:
-    """Write a run's ``config.json``: :func:`recorded`, atomically."""
-    from .files import atomic_write_text
-    atomic_write_text(path, json.dumps(recorded(cfg), indent=2, sort_keys=True) + "\n")

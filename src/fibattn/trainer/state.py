@@ -21,8 +21,8 @@ import torch
 
 from ..storage import checkpoint as ck
 from ..storage.shapes import check_shapes, load_checked
-from ..config import RunConfig, with_defaults
-from ..effective import recorded, save_recorded, unread
+from ..config import RunConfig, save as save_config, with_defaults
+from ..effective import recorded, unread
 from ..files import atomic_write_bytes
 from .distributed import DistInfo, broadcast_int, together
 
@@ -61,7 +61,7 @@ def save(out_dir, step: int, *, model, optimizer, names: list[str], loader, trai
                 ck.write_tensors(tmp, "model", model.state_dict())
                 ck.write_state(tmp, "optimizer", {"param_names": names, "state": optimizer.state_dict()})
                 ck.write_state(tmp, "trainer", {**trainer, "step": step, "world_size": dist.world_size})
-                save_recorded(cfg, tmp / "config.json")
+                save_config(cfg, tmp / "config.json")            # only the settings that act
                 if tokenizer_file is not None:             # synced like every file of the folder (not copyfile)
                     atomic_write_bytes(tmp / "tokenizer.json", Path(tokenizer_file).read_bytes())
         except OSError as exc:               # disk full, permissions: one line naming the folder and the setting

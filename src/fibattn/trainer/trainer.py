@@ -35,7 +35,6 @@ from ..checks import UsageError
 from ..config import ConfigError, RunConfig
 from ..files import check_creatable
 from ..locks import check_unlocked
-from ..effective import save_recorded
 from ..validation import fit_warmup, validate
 from ..model.lm import FibLM
 from ..ops.backends import check_model_runs
@@ -241,7 +240,7 @@ class Trainer:
         self.peak, self.flops = announce(self.cfg, self.model, dist)      # size, budget, lr plan, flops
         sinks = None
         if dist.is_main:
-            save_recorded(self.cfg, self.out / "config.json")      # only the settings that act
+            C.save(self.cfg, self.out / "config.json")              # only the settings that act
             sinks = MetricSinks(self.out, run_key(self.out), resolve_db_path(self.out, t.results_db),
                                 tensorboard=t.tensorboard, wandb=t.wandb, wandb_project=t.wandb_project,
                                 config=C.to_dict(self.cfg))
