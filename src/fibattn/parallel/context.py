@@ -15,7 +15,6 @@ group (what DDP over the whole mesh does) gives the one-process gradient.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 
 from ..checks import UsageError
+from ..launch import launch
 from ..ops import interpolated_sparse_attention, sparse_attention
 from ..schedules import as_base, interpolation_plan
 from .halo import HaloPlan, halo_plan
@@ -208,7 +208,8 @@ def joined(size: int, flag: str = "--context-parallel", device=None):
     if size == 1:
         yield None
         return
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    place = launch()                        # torchrun's variables, checked as a whole
+    world, rank = place.world_size, place.rank
     if world != size:
         raise UsageError(f"{flag} {size} needs {size} processes under torchrun (torchrun --nproc_per_node {size} "
                          f"-m fibattn.cli ...); this run has {world}")

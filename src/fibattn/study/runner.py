@@ -30,6 +30,7 @@ from .. import config as C
 from ..config import ConfigError, RunConfig
 from ..data.pipeline import normalise
 from ..effective import recorded, unread
+from ..launch import launch
 from ..devices import resolve_device
 from ..ops.backends import check_model_runs
 from .grid import Grid, GridRun
@@ -67,7 +68,7 @@ class GridStopped(RuntimeError):
 
 
 def is_main_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return launch().rank == 0
 
 
 # ------------------------------------------------------------------------------ state

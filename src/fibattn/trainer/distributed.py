@@ -22,6 +22,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import ConfigError, TrainConfig
+from ..launch import launch
 
 log = logging.getLogger("fibattn")
 
@@ -42,16 +43,6 @@ class DistInfo:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
 def pick_device(t: TrainConfig, local_rank: int, world_size: int) -> torch.device:
@@ -80,13 +71,10 @@ def init(t: TrainConfig) -> DistInfo:
 
 
 def plan(t: TrainConfig) -> DistInfo:
-    """Read torchrun's variables and pick the device; no process group yet."""
-    world = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", world)
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} / WORLD_SIZE={world} from the environment are inconsistent")
+    """Read torchrun's variables (checked as a whole: :func:`fibattn.launch.launch`) and pick the device; no
+    process group yet."""
+    place = launch()
+    world, rank, local_rank, local_world = place.world_size, place.rank, place.local_rank, place.local_world_size
     device = pick_device(t, local_rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -243,7 +231,8 @@ def starting():
     rendezvous: a rank that refused raises its own error; every other rank raises a :class:`RankError`
     naming that rank and its cause; a rank that torchrun stops meanwhile (another one died) says so, instead
     of hanging or dying silently. Nothing in one process, or without torchrun's agent store."""
-    world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    place = launch()                  # a half-set torchrun environment: one line naming the missing variable
+    world, rank = place.world_size, place.rank
     if world <= 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         yield
         return
