@@ -63,6 +63,27 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
 
+def _attention_with(block: Block, core, x: torch.Tensor, offset: int, document_ids) -> torch.Tensor:
+    """``block.attention`` with the layer's attention core ``core`` (None: its own) in force, as it was when the
+    forward ran: the backward recomputes a checkpointed block after the forward's context (``parallel.sharded``,
+    which installs a context-parallel core) has restored the layer, and must attend as the forward did."""
+    attn = block.attn
+    before = attn.__dict__.get("attend")
+    if before is core:
+        return block.attention(x, offset, None, document_ids)
+    if core is None:
+        del attn.attend
+    else:
+        attn.attend = core
+    try:
+        return block.attention(x, offset, None, document_ids)
+    finally:
+        if before is None:
+            attn.__dict__.pop("attend", None)
+        else:
+            attn.attend = before
+
+
 class FibLM(nn.Module):
     """Decoder-only language model with per-layer sparse (or dense) attention."""
 
@@ -121,7 +142,8 @@ class FibLM(nn.Module):
         recompute = self.activation_checkpointing == "full" and torch.is_grad_enabled()   # inference never does
         for block in self.blocks:
             if recompute:        # each half on its own: the attention's activations are gone by the FFN's backward
-                x = checkpoint(block.attention, x, offset, None, document_ids, use_reentrant=False)
+                core = block.attn.__dict__.get("attend")    # an attention core in force now (context parallelism)
+                x = checkpoint(_attention_with, block, core, x, offset, document_ids, use_reentrant=False)
                 x = checkpoint(block.feed_forward, x, use_reentrant=False)
             else:
                 x = block(x, offset, None, document_ids)
