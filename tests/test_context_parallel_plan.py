@@ -176,3 +176,62 @@ def test_ranks_in_one_process_give_the_one_process_loss_and_gradients(monkeypatc
         torch.testing.assert_close(got_loss, want_loss.detach(), msg=lambda m: f"{name}: {m}")
         for n in want:
             torch.testing.assert_close(got[n], want[n], msg=lambda m: f"{name} {n}: {m}")
+
+
+class RecordingShard(ContextShard):
+    """Rank 0's shard; remembers the whole tensors it was asked to cut (the window's inputs and targets)."""
+
+    def local(self, x):
+        self.__dict__.setdefault("seen", []).append(x)
+        return super().local(x)
+
+
+class SequentialGroup:
+    """A context group as evaluation sees it from rank 0; ``gather`` runs ranks 1..P-1 on the same window,
+    one after another in this process (their halos from the mailboxes rank 0 filled), and concatenates."""
+
+    def __init__(self, P: int, model):
+        self.ranks, self.rank, self.model, self.windows = tuple(range(P)), 0, model, 0
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def shard(self, seq_len, document_ids=None):
+        self.current = RecordingShard(None, self.ranks, 0, seq_len, document_ids)
+        return self.current
+
+    def gather(self, part):
+        from fibattn.eval.perplexity import token_nll
+        first = self.current
+        x, y = first.seen[:2]
+        self.windows += 1
+        parts = [part]
+        for r in self.ranks[1:]:
+            shard = ContextShard(None, self.ranks, r, first.seq_len, first.document_ids)
+            with sharded(self.model, shard):
+                parts.append(token_nll(self.model, shard.local(x), shard.local(y), offset=shard.start))
+        return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("reach, eos", [("study", None), ("train", None), ("study", 7)])
+def test_evaluation_with_ranks_in_one_process_gives_the_one_process_records(monkeypatch, reach, eos):
+    """Evaluation's context-parallel path (each rank scores its chunk of every window, the group gathers the
+    values) against one process, for learned alpha at 64 (chunks of 16, P = 4) and at 128, past the training
+    length (chunks of 32; with reach train the distances stop at 63), documents (eos 7) included. The
+    torchrun CLI run of the same is tests/test_context_parallel.py's slow eval test."""
+    import numpy as np
+    from fibattn.eval.perplexity import evaluate
+    box = Mailboxes()
+    monkeypatch.setattr(cp, "_exchange", box)
+    model = _model(CASES["learned"], "cpu").float()
+    toks = {"val": np.random.default_rng(0).integers(0, 64, 1025)}
+    kw = dict(tokens=256, reach=reach, document_eos=eos)
+    one = evaluate(model, toks, [64, 128], **kw)
+    group = SequentialGroup(4, model)
+    got = evaluate(model, toks, [64, 128], context=group, **kw)
+    assert box.empty() and group.windows >= 2
+    assert [(r.length, r.tokens, r.mode) for r in got.records] == [(r.length, r.tokens, r.mode) for r in one.records]
+    for a, b in zip(one.records, got.records):
+        assert b.nll == pytest.approx(a.nll, rel=1e-5)
+        assert [x["loss"] for x in b.buckets] == pytest.approx([x["loss"] for x in a.buckets], rel=1e-4)
