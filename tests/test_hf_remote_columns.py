@@ -119,8 +119,7 @@ def test_generate_keeps_a_constant_memory_cache_and_fibattns_tokens(pair, gather
     check_generate(pair[0], pair[1], 2)
 
 
-@pytest.mark.slow
-def test_generate_past_reach_len_and_with_fibattns_fibcache(pair, gathered):
+def test_generate_past_reach_len_and_with_fibattns_fibcache(pair, gathered):      # default suite: < 1 s
     fib, model, _ = pair
     x, seq, keeps = check_generate(fib, model, 14)
     # from reach_len (32) on, each layer keeps a constant max(D), whatever the generated length

@@ -43,6 +43,7 @@ LM_EVAL = "src/fibattn/interop/lm_eval_adapter.py"
 LM_EVAL_T = "tests/test_lm_eval_adapter.py"
 RUN_FOLDER = "src/fibattn/eval/run_folder.py"
 EVAL_T = "tests/test_evaluate.py"
+FAST = "tests/test_fast_variants.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -508,4 +509,10 @@ MUTATIONS = [
              (EVAL_T, "-k", "same_dataset")),
     Mutation("eval-db-keeps-the-old-row", "re-evaluation", "src/fibattn/storage/results.py",
              '"INSERT OR REPLACE INTO eval_results', '"INSERT OR IGNORE INTO eval_results', (EVAL_T, "-k", "same_dataset")),
+    # ---------------------------------------------------------------- slow-only checks given default variants
+    Mutation("together-hears-only-itself", "rank agreement", "src/fibattn/trainer/distributed.py",
+             "bad = [(r, m) for r, m in enumerate(said) if m]", "bad = [(r, m) for r, m in enumerate(said) if m and r == info.rank]",
+             (FAST, "-k", "refusal")),
+    Mutation("start-refusal-read-as-ok", "rank agreement", "src/fibattn/trainer/distributed.py",
+             '            if said != "ok":\n', '            if said.startswith("ok "):\n', (FAST, "-k", "refuses")),
 ]
