@@ -165,3 +165,46 @@ def test_a_window_only_model_exports_and_loads_in_transformers_with_its_logits(t
         want = model(x)
         got = H.from_pretrained(export_hf(tmp_path / "run", tmp_path / "hf")).eval()(x).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ worker processes (test_probe)
+def test_probe_results_finishing_in_any_order_are_reported_in_order(monkeypatch):
+    """For test_probe_in_worker_processes (a pool of 2 spawned workers): with ``jobs=2`` every (depth, start)
+    model is handed to the pool once, and results arriving in the reverse order (the longest depth runs
+    first, so it may well finish last) are reported in (depth, start) order. The pool itself stays slow."""
+    from fibattn.study import probe as P
+    from fibattn.study.probe_task import ProbeTask
+    handed = []
+
+    def pool(fn, todo, jobs, on_result):
+        handed.append((jobs, [(d, s) for _, d, s in todo]))
+        for args in reversed(todo):
+            on_result(fn(*args))
+    monkeypatch.setattr(P, "run_jobs", pool)
+    monkeypatch.setattr(P, "train_one", lambda cfg, d, s: P.ProbeResult(d, s, {6: 1.0}, [1.0], [1.0], [], 0.0, 0.0))
+    cfg = P.ProbeConfig(task=ProbeTask(seq_len=24, distances=(6, 9), n_distractors=2), depths=(1, 2, 3), steps=2,
+                        batch_size=4, eval_samples=8, warmup=1)
+    report = P.run_probe(cfg, None, echo=lambda s: None, jobs=2)
+    want = [(d, s) for d in (1, 2, 3) for s in ("uniform", "staggered")]
+    assert [(r.depth, r.start) for r in report.results] == want
+    assert handed[0][0] == 2 and sorted(handed[0][1]) == sorted(want)
+
+
+# ------------------------------------------------------------------ the CLI (test_context_parallel)
+def test_eval_with_context_parallelism_outside_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    """For the end of test_eval_under_torchrun_with_context_parallel_matches_one_process: ``eval
+    --context-parallel 2`` in one process is refused in one line naming the flag and torchrun, exit 2,
+    nothing evaluated or written."""
+    from fibattn.cli import main as cli_main
+    from fibattn.model.lm import FibLM
+    from run_helpers import micro_config, write_checkpoint
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = micro_config(tmp_path / "run", tmp_path / "data")
+    torch.manual_seed(0)
+    write_checkpoint(tmp_path / "run", 1, FibLM(cfg.model), cfg)
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert cli_main(["eval", str(tmp_path / "run"), "--context-parallel", "2", "--db", "off", "--no-plot"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "--context-parallel 2" in err[0] and "torchrun" in err[0], err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before

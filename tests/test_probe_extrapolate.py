@@ -84,8 +84,7 @@ def test_extrapolate_micro_end_to_end(tmp_path, one_thread):
     assert len(report.rows) == 6 and not (tmp_path / "probe_extrapolate.png").exists()
 
 
-@pytest.mark.slow
-def test_extrapolate_heat_map(tmp_path, one_thread):
+def test_extrapolate_heat_map(tmp_path, one_thread):          # default suite: about 1 s
     if not plots.available():
         pytest.skip("matplotlib is not installed")
     run_extrapolate(micro(variants=("window_matched", "dense")), tmp_path, echo=lambda s: None)
