@@ -101,8 +101,12 @@ def _worker(rank: int, P: int, init: str, documents: bool):
 
 @pytest.mark.parametrize("P,documents", [(2, False), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_context_parallel_gives_the_one_process_loss_and_gradients(tmp_path, P, documents):
-    """fp64; P=4 splits 64 rows into chunks of 16 while pow2 reaches 32 and fib 1.5 x 21: halos from
-    several ranks."""
+    """fp64, real processes and collectives. Geometry: P=2 (chunks of 32) takes each halo from the previous
+    rank alone, and every earlier row is read by some first tap, so it cannot tell a halo that forgets the
+    second taps of interpolated rungs; P=4 (chunks of 16, longer than the window 3, shorter than pow2's 32,
+    fib 1.5 x 21 and learned alpha's taps up to 47) takes halos from several ranks and needs each rung's
+    second tap. The P=4 geometries (and P=8) run in the default suite without processes:
+    tests/test_context_parallel_plan.py."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(P, str(tmp_path / "init"), documents), nprocs=P, join=True)
 

@@ -49,6 +49,10 @@ def _op(kind, backend, alpha):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind,a", [("integer", 1.0), ("interpolated", 1.37), ("interpolated", 2.0)])
 def test_a_packed_row_equals_each_document_on_its_own(backend, kind, a):
+    """Geometry (T = 61): documents of 1 and 2 rows are shorter than the window (3); in the 30-row one late
+    rows reach every integer distance (up to 21) inside it while early rows' distances cross its start; at
+    alpha 1.37 (rungs 4/5 .. 28/29, 46/47) its row 29 reads rung 28's second tap at the start itself and
+    rung 46 is always cut, at 2.0 every second tap weighs 0; the second sample is one 61-row document."""
     T = sum(SPLITS[0])
     dtype = torch.float32 if backend == "triton" else torch.float64
     q, k, v = _qkv(T, dtype)
