@@ -80,3 +80,69 @@ def test_quick_generate_step_runs_on_cpu(tmp_path):
     assert goals["decode sparse tok/s batch 64 (worst variant)"]["goal"] == ">= 30000.0"
     batch = summary["generate"]["bench_generate_batch64"]["settings"]
     assert batch["batch"] == 64 and batch["decode"] == "static"
+
+
+# ----------------------------------------------------------------------------- refusals and verdicts (kind 8)
+def _tool():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check_tool", ROOT / "tools" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--budget", "0"], "--budget"), (["--budget", "-5"], "--budget"), (["--budget", "nan"], "--budget"),
+    (["--budget", "inf"], "--budget"), (["--budget", "1e30"], "--budget"), (["--budget", "5", "--quick"], "--budget"),
+    (["--only", "nothing", "--quick"], "--only"), (["--only", ",", "--quick"], "--only"),
+    (["--quick", "--out", "{F}/sub"], "--out"), (["--quick", "--out", "{F}"], "--out"),
+    ([], "no CUDA device here"),
+])
+def test_the_gpu_check_refuses_up_front_in_one_line(tmp_path, capsys, monkeypatch, argv, needle):
+    """Without CUDA (unless --quick), with a budget no step fits in, an unknown step or an output folder it cannot
+    write: one line, exit 2, nothing written."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "afile").write_text("x")
+    tool = _tool()
+    out = tmp_path / "out"
+    args = [a.format(F=tmp_path / "afile") for a in argv]
+    rc = tool.main(args + ([] if "--out" in args else ["--out", str(out)]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0] and err[0].startswith("gpu_check: error: "), err
+    assert not out.exists()
+    if not argv:
+        assert f"torch {torch.__version__}" in err[0] and "--quick" in err[0]
+
+
+def test_quick_goals_are_not_judged_and_skipped_steps_are_never_passed():
+    tool = _tool()
+    summary = {"ratios": {"dense/integer fwd+bwd at 4096": 5.31, "interpolated/integer (worst length)": 9.0}}
+    full, quick = tool.verdicts(summary), tool.verdicts(summary, quick=True)
+    assert full["dense/integer fwd+bwd at 4096"]["met"] is True
+    assert full["interpolated/integer (worst length)"]["met"] is False
+    for key in summary["ratios"]:
+        assert quick[key]["met"] is None and quick[key]["judged"] is False and "not judged" in quick[key]["why"]
+        assert quick[key]["measured"] == summary["ratios"][key]
+    assert all(v["met"] is None for k, v in quick.items() if k not in summary["ratios"])
+    skipped = {"a": {"status": "skipped"}, "b": {"status": "skipped"}}
+    assert tool.outcome(skipped, {})["exit"] == 1 and "nothing was measured" in tool.outcome(skipped, {})["line"]
+    assert tool.outcome({"a": {"status": "ok"}, "b": {"status": "skipped"}}, {})["exit"] == 0
+    assert tool.outcome({"a": {"status": "ok"}, "b": {"status": "failed"}}, {})["exit"] == 1
+    assert tool.outcome({"a": {"status": "ok"}}, {"errors": {"x": "KeyError"}})["exit"] == 1
+
+
+def test_gpu_tests_that_were_skipped_are_not_counted_as_passed(tmp_path, monkeypatch):
+    """The tests step: pytest exits 0 when every GPU test is skipped (no CUDA); the summary says skipped."""
+    tool = _tool()
+    r = tool.Runner(tmp_path, 600, quick=True)
+
+    def fake_run(name, cmd, limit, env=None):
+        (tmp_path / "tests.log").write_text("12 skipped, 3 deselected in 1.0s")
+        r.steps[name] = {"status": "ok", "rc": 0, "seconds": 1.0}
+        return "12 skipped"
+    monkeypatch.setattr(r, "run", fake_run)
+    summary: dict = {}
+    tool.tests(r, summary)
+    assert summary["tests"]["passed_all"] is False and summary["tests"]["skipped"] == 12
+    assert r.steps["tests"]["status"] == "skipped" and tool.outcome(r.steps, summary)["exit"] == 1

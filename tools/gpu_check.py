@@ -141,7 +141,12 @@ def tests(r: Runner, summary: dict) -> None:
     out = r.run("tests", cmd, 240)
     text = (r.out / "tests.log").read_text() if (r.out / "tests.log").exists() else ""
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)}
-    summary["tests"] = {"passed_all": out is not None, **counts}
+    # passed only when tests ran and none failed or was skipped: a GPU test skipped (no CUDA) proves nothing
+    summary["tests"] = {"passed_all": out is not None and counts.get("passed", 0) > 0 and not counts.get("skipped"),
+                        **counts}
+    if out is not None and counts.get("skipped"):
+        r.steps["tests"].update(status="skipped" if not counts.get("passed") else "partly skipped",
+                                why=f"{counts['skipped']} test(s) skipped (no CUDA device?)")
 
 
 def attention(r: Runner, summary: dict) -> None:
@@ -358,15 +363,18 @@ def static(r: Runner, summary: dict) -> None:
         "thread_instructions_per_query_head_column": est["thread_instructions_per_query_head_column"]}
 
 
-def verdicts(summary: dict) -> dict:
+def verdicts(summary: dict, quick: bool = False) -> dict:
+    """Each goal with its measured value and whether it is met; ``--quick`` measures plumbing sizes on whatever
+    device there is, so its goals are not judged (``met`` None, ``judged`` False), only shown."""
     got = summary.get("ratios", {})
     out = {}
-    for key, goal in GOALS.items():
+    for key, goal, sign, ok in [(k, g, ">=", lambda v, g: v >= g) for k, g in GOALS.items()] + \
+                               [(k, g, "<=", lambda v, g: v <= g) for k, g in MAX_GOALS.items()]:
         val = got.get(key)
-        out[key] = {"goal": f">= {goal}", "measured": val, "met": None if val is None else val >= goal}
-    for key, goal in MAX_GOALS.items():
-        val = got.get(key)
-        out[key] = {"goal": f"<= {goal}", "measured": val, "met": None if val is None else val <= goal}
+        out[key] = {"goal": f"{sign} {goal}", "measured": val,
+                    "met": None if val is None or quick else ok(val, goal), "judged": val is not None and not quick}
+        if quick and val is not None:
+            out[key]["why"] = "not judged: --quick measures plumbing sizes, not the goal's setting"
     return out
 
 
@@ -386,26 +394,78 @@ def environment() -> dict:
     return info
 
 
+MIN_BUDGET, MAX_BUDGET = 60.0, 86400.0     # seconds: below a minute every step would be skipped
+
+
+def refusal(args, steps: dict) -> str | None:
+    """Why the check cannot run as asked (one line), or None: checked before anything is written."""
+    import math
+    if not (math.isfinite(args.budget) and MIN_BUDGET <= args.budget <= MAX_BUDGET):
+        return (f"--budget must be a number of seconds from {MIN_BUDGET:g} to {MAX_BUDGET:g} (each step needs at "
+                f"least 20 s), got {args.budget}")
+    chosen = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in steps]
+    if bad or not chosen:
+        return f"--only: unknown step(s) {', '.join(bad) or repr(args.only)}; choose among {', '.join(steps)}"
+    try:
+        import torch
+    except ImportError as exc:
+        return f"torch is not importable ({exc}): install fibattn's dependencies first (docs/gpu.md)"
+    if not args.quick and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}, " + (f"built for CUDA {torch.version.cuda}, but no CUDA device is "
+                                                  f"visible" if torch.version.cuda else "built without CUDA")
+        return (f"no CUDA device here ({build}): the GPU check measures a GPU; run it on one (docs/gpu.md, "
+                f"'Install on a GPU machine'), or give --quick for the CPU plumbing check (its goals are not judged)")
+    if not args.quick:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"triton is not importable ({exc}): install the Triton that matches this CUDA torch (docs/gpu.md)"
+    if "tests" in chosen:
+        try:
+            import pytest  # noqa: F401
+        except ImportError:
+            return "pytest is not installed (the 'tests' step): pip install -e '.[test]' (docs/gpu.md)"
+    return None
+
+
+def prepare_out(path: str) -> tuple[Path | None, str | None]:
+    """The output folder, created and proven writable, or the one line saying why it cannot be used."""
+    out = Path(path).expanduser().resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".gpu_check_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return None, f"--out {path}: cannot write there ({exc.strerror or exc})"
+    return out, None
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
-    p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole check (default 470)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a plumbing check")
+    p.add_argument("--budget", type=float, default=470.0,
+                   help=f"seconds for the whole check ({MIN_BUDGET:g} to {MAX_BUDGET:g}, default 470)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes: a plumbing check (also on a CPU; goals not judged)")
     p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,train_bench,training,"
                                                 "generate,cpu,sweep,static)")
     args = p.parse_args(argv)
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    r = Runner(out, args.budget, args.quick)
-    summary: dict = {"environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    print(json.dumps(summary["environment"]), flush=True)
     steps = {"tests": tests, "attention": attention, "train_bench": train_bench, "training": training,
              "generate": generate, "cpu": cpu, "sweep": sweep, "static": static}
-    chosen = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
-    bad = [s for s in chosen if s not in steps]
-    if bad:
-        print(f"--only: unknown step(s) {', '.join(bad)}; choose among {', '.join(steps)}", file=sys.stderr)
+    why = refusal(args, steps)
+    out = None
+    if why is None:
+        out, why = prepare_out(args.out)
+    if why is not None:
+        print(f"gpu_check: error: {why}", file=sys.stderr)
         return 2
+    chosen = list(steps) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
+    r = Runner(out, args.budget, args.quick)
+    summary: dict = {"environment": environment(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                     "quick": args.quick}
+    print(json.dumps(summary["environment"]), flush=True)
     for name in chosen:
         try:
             steps[name](r, summary)
@@ -413,13 +473,27 @@ def main(argv=None) -> int:
             summary.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
             print(f"   {name}: {type(exc).__name__}: {exc}", flush=True)
         (out / "summary.json").write_text(json.dumps({**summary, "steps": r.steps}, indent=2))
-    summary["goals"] = verdicts(summary)
+    summary["goals"] = verdicts(summary, args.quick)
     summary["steps"] = r.steps
+    summary["outcome"] = outcome(r.steps, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary["goals"], indent=2))
-    print(f"summary: {out / 'summary.json'}")
-    failed = [k for k, v in r.steps.items() if v["status"] == "failed"]
-    return 1 if failed else 0
+    print(f"{summary['outcome']['line']}\nsummary: {out / 'summary.json'}")
+    return summary["outcome"]["exit"]
+
+
+def outcome(steps: dict, summary: dict) -> dict:
+    """Counts of the steps by status and the exit status: 1 when a step failed or raised, or when nothing ran
+    (every step skipped); skipped steps and skipped tests are counted as skipped, never as passed."""
+    counts: dict = {}
+    for v in steps.values():
+        counts[v["status"]] = counts.get(v["status"], 0) + 1
+    errors = len(summary.get("errors", {}))
+    ran = counts.get("ok", 0)
+    code = 1 if counts.get("failed") or errors or not ran else 0
+    parts = [f"{n} {k}" for k, n in sorted(counts.items())] + ([f"{errors} raised"] if errors else [])
+    line = f"steps: {', '.join(parts) or 'none ran'}" + (" (nothing was measured)" if not ran else "")
+    return {**counts, "raised": errors, "exit": code, "line": line}
 
 
 if __name__ == "__main__":

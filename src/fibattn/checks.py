@@ -2,6 +2,7 @@
 what is allowed."""
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 
@@ -49,17 +50,69 @@ def check_positive(name: str, value) -> float:
     return value
 
 
-def parse_int_list(text, name: str, minimum: int = 1, error=UsageError, empty: bool = False) -> list[int]:
+def parse_int_list(text, name: str, minimum: int = 1, error=UsageError, empty: bool = False,
+                   maximum: int | None = None) -> list[int]:
     """``"1024,2048"`` -> ``[1024, 2048]`` (``""`` -> ``[]`` where ``empty``); anything else raises
-    ``error`` naming ``name``."""
-    msg = f"{name} must be a comma-separated list of integers >= {minimum}, got {text!r}"
+    ``error`` naming ``name``. Values above ``maximum`` (default :data:`FLAG_INT_MAX`) are refused too."""
+    maximum = FLAG_INT_MAX if maximum is None else maximum
+    msg = f"{name} must be a comma-separated list of integers >= {minimum} and <= {maximum}, got {text!r}"
     try:
         values = [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError:
         raise error(msg) from None
-    if (not values and not empty) or any(v < minimum for v in values):
+    if (not values and not empty) or any(not minimum <= v <= maximum for v in values):
         raise error(msg)
     return values
+
+
+# Numeric command-line flags, checked where they are parsed (every ``type=int`` / ``type=float`` flag of the
+# ``fibattn`` parser goes through these): sizes and counts fit a signed 32-bit index unless a flag declares
+# otherwise; a seed takes what torch.manual_seed takes.
+FLAG_INT_MAX = 2 ** 31 - 1
+SEED_MAX = 2 ** 64 - 1
+
+
+def _short(text, limit: int = 40) -> str:
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
+def int_flag(minimum: int | None = None, maximum: int = FLAG_INT_MAX):
+    """An argparse ``type`` for an integer flag from ``minimum`` (None: no floor) to ``maximum``; a bad value is
+    refused by the parser with the limits (argparse adds the flag's name)."""
+    allowed = f"an integer from {minimum} to {maximum}" if minimum is not None else f"an integer <= {maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {_short(text)!r}") from None
+        if value > maximum or (minimum is not None and value < minimum):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {_short(text)}")
+        return value
+    parse.__name__ = "int"
+    parse.bounds = (minimum, maximum)
+    return parse
+
+
+def float_flag(minimum: float | None = None, maximum: float | None = None):
+    """An argparse ``type`` for a finite number within ``[minimum, maximum]`` (None: that side open)."""
+    limits = [f">= {minimum:g}"] if minimum is not None else []
+    limits += [f"<= {maximum:g}"] if maximum is not None else []
+    allowed = " ".join(["a finite number", " and ".join(limits)]).strip()
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {_short(text)!r}") from None
+        if not math.isfinite(value) or (minimum is not None and value < minimum) or \
+                (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {_short(text)}")
+        return value
+    parse.__name__ = "float"
+    parse.bounds = (minimum, maximum)
+    return parse
 
 
 def did_you_mean(key, allowed) -> str:

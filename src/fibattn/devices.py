@@ -28,9 +28,35 @@ def device_memory_bytes(device) -> int | None:
     return host_memory_bytes()
 
 
-def resolve_device(name, *, flag: str = "--device") -> torch.device:
-    """``auto`` is CUDA when available, else CPU (logged once per process and choice); an
-    explicit CUDA device without CUDA is an error naming ``flag``."""
+def torch_build() -> str:
+    """This torch and what it was built for: ``torch 2.13.0+cpu, built without CUDA``."""
+    cuda = torch.version.cuda
+    return f"torch {torch.__version__}, " + (f"built for CUDA {cuda}" if cuda else "built without CUDA")
+
+
+def check_cuda(name: str, flag: str = "--device", sep: str = " ") -> None:
+    """Refuse ``cuda`` / ``cuda:N`` where it cannot run, in one line naming ``flag``, the value and this torch
+    build: every command's device check (``sep``: ``=`` for a config key, ``train.device=cuda``)."""
+    given = f"{flag}{sep}{name}"
+    if not torch.cuda.is_available():
+        why = ("no CUDA device is visible (check the driver, nvidia-smi and CUDA_VISIBLE_DEVICES)"
+               if torch.version.cuda else "install a CUDA build of torch to use a GPU (docs/gpu.md)")
+        raise UsageError(f"{given}: CUDA is not available here ({torch_build()}); use {flag}{sep}cpu or auto, or "
+                         f"{why}")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise UsageError(f"{given}: only {n} CUDA device{'s' if n != 1 else ''} here (cuda:0"
+                         f"{f' to cuda:{n - 1}' if n > 1 else ''})")
+
+
+def valid_name(name: str) -> bool:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    return name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())
+
+
+def resolve_device(name, *, flag: str = "--device", sep: str = " ") -> torch.device:
+    """``auto`` is CUDA when available, else CPU (logged once per process and choice); an explicit CUDA
+    device that cannot run here is an error naming ``flag`` (:func:`check_cuda`)."""
     name = str(name)
     if name == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -38,8 +64,8 @@ def resolve_device(name, *, flag: str = "--device") -> torch.device:
             _logged.add((flag, dev.type))
             log.info("fibattn: %s auto -> %s", flag, dev)
         return dev
-    if name == "cpu" or name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"{flag} {name} but CUDA is not available here; use {flag} cpu or auto")
+    if valid_name(name):
+        if name.startswith("cuda"):
+            check_cuda(name, flag, sep)
         return torch.device(name)
     raise UsageError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")

@@ -274,7 +274,7 @@ def run(args) -> int:
             res = host_overhead(op, cold=cold)
             print(res.line(), file=out, flush=True)
             if args.json:
-                print(json.dumps({**asdict(res), "fibattn_us": res.fibattn_us, "check": "host_overhead"}), flush=True)
+                print(json.dumps({**res.record(), "check": "host_overhead"}), flush=True)
     if cfg.memory_check:
         T = cfg.memory_check
         on_cuda = cfg.on_cuda

@@ -7,10 +7,12 @@ import argparse
 import torch
 
 from ..checks import check_int, check_positive, parse_int_list
+from ..devices import resolve_device
 from ..validation import ConfigError, check_sizes_fit
 from .attention_paths import _DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, BenchConfig, check_documents
 
 MAX_FIB_K = 64      # fib(47) > 2^31 already: more rungs than that reach past any length
+DEFAULT_DOCUMENTS = 4   # documents per row of the -docs paths when --documents is not given
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -30,7 +32,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="alpha of both fused ops: integer distances round(alpha f_k), the interpolated op's "
                         "start (default 1.5)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu | cuda[:N] (default: cuda when available)")
+                   help="auto | cpu | cuda[:N] (default: cuda when available)")
     p.add_argument("--batch", type=int, default=None, help="batch size B (default 1 on CPU, 4 on CUDA)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES),
                    help="input dtype (default float32 on CPU, bfloat16 on CUDA)")
@@ -39,8 +41,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         f"{','.join(DEFAULT_PATHS['cpu'])} on CPU)")
     p.add_argument("--forward-lengths", default=None,
                    help="lengths timed forward only (default 131072 on CUDA, none on CPU)")
-    p.add_argument("--documents", type=int, default=0, metavar="N",
-                   help="also time integer-docs / interpolated-docs: N equal packed documents per row")
+    p.add_argument("--documents", type=int, default=None, metavar="N",
+                   help=f"also time integer-docs / interpolated-docs: N equal packed documents per row (default "
+                        f"{DEFAULT_DOCUMENTS} where those paths are timed, as on CUDA; 0: leave them out)")
     p.add_argument("--mask-budget-gb", type=float, default=8.0,
                    help="skip the mask path when its estimated memory (~17 bytes x T^2) exceeds this")
 
@@ -61,9 +64,8 @@ def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> 
 
 
 def config_from_args(args) -> BenchConfig:
-    if not args.device.startswith(("cpu", "cuda")):
-        raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    cuda = args.device.startswith("cuda")
+    device = str(resolve_device(args.device))        # first: the defaults and checks below depend on it
+    cuda = device.startswith("cuda")
     if args.lengths is None:
         lengths = [] if args.memory_check else (list(CUDA_LENGTHS) if cuda else [1024, 4096, 16384])
     else:
@@ -72,19 +74,35 @@ def config_from_args(args) -> BenchConfig:
         forward = [131072] if cuda and not args.memory_check and args.lengths is None else []
     else:
         forward = parse_int_list(args.forward_lengths, "--forward-lengths", error=ConfigError, empty=True)
-    paths = list(DEFAULT_PATHS["cuda" if cuda else "cpu"]) if args.paths is None else \
-        [p.strip() for p in args.paths.split(",") if p.strip()]
+    paths, documents = _paths(args, cuda, lengths + forward)
+    return _rest(args, device, cuda, lengths, forward, paths, documents)
+
+
+def _paths(args, cuda: bool, lengths: list[int]) -> tuple[list[str], int]:
+    """The paths timed and the documents per row of their -docs paths; errors name what was given."""
+    docs = set(DOC_PATHS.values())
+    if args.paths is None:
+        paths = [p for p in DEFAULT_PATHS["cuda" if cuda else "cpu"] if args.documents != 0 or p not in docs]
+    else:
+        paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     bad = [p for p in paths if p not in PATHS]
     if bad or not paths:
         raise ConfigError(f"--paths must list some of {', '.join(PATHS)}, got {args.paths!r}")
-    if args.documents < 0:
+    if args.documents is not None and args.documents < 0:
         raise ConfigError(f"--documents must be an integer >= 1 (0: off), got {args.documents}")
-    if not args.documents and any(p in DOC_PATHS.values() for p in paths):
-        raise ConfigError(f"--paths {args.paths}: the -docs paths need --documents N (documents per row)")
-    if args.documents:
-        check_documents(args.documents, lengths + forward)
+    if args.documents == 0 and docs.intersection(paths):
+        raise ConfigError(f"--paths {args.paths}: the -docs paths need documents per row; drop --documents 0 "
+                          f"(default {DEFAULT_DOCUMENTS}) or give --documents N >= 1")
+    documents = args.documents if args.documents is not None else (
+        DEFAULT_DOCUMENTS if docs.intersection(paths) else 0)
+    if documents:
+        check_documents(documents, lengths, given=args.documents is not None)
         paths = [q for p in paths for q in ((p, DOC_PATHS[p]) if p in DOC_PATHS and DOC_PATHS[p] not in paths
                                             else (p,))]
+    return paths, documents
+
+
+def _rest(args, device: str, cuda: bool, lengths, forward, paths, documents) -> BenchConfig:
     batch = (4 if cuda else 1) if args.batch is None else args.batch
     if batch < 1:
         raise ConfigError(f"--batch must be >= 1, got {batch}")
@@ -99,15 +117,13 @@ def config_from_args(args) -> BenchConfig:
         raise ConfigError(f"--head-dim must be >= 1, got {args.head_dim}")
     if args.mask_budget_gb <= 0:
         raise ConfigError(f"--mask-budget-gb must be > 0, got {args.mask_budget_gb}")
-    if cuda and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     pattern = _pattern(args)
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, args.device)
+    _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, device)
     return BenchConfig(lengths=lengths, repeats=args.repeats, heads=args.heads, kv_heads=kv,
-                       head_dim=args.head_dim, device=args.device, mask_budget_gb=args.mask_budget_gb,
+                       head_dim=args.head_dim, device=device, mask_budget_gb=args.mask_budget_gb,
                        memory=not args.no_memory, memory_check=args.memory_check, batch=batch, dtype=dtype,
-                       paths=paths, forward_lengths=forward, documents=args.documents, **pattern)
+                       paths=paths, forward_lengths=forward, documents=documents, **pattern)
 
 
 def _pattern(args) -> dict:

@@ -114,13 +114,15 @@ def pick_sdpa(step_under) -> str:
     raise RuntimeError(f"dense SDPA: no backend runs these inputs ({tried})") from errors[0][1]
 
 
-def check_documents(n: int, lengths) -> None:
-    """Refuse ``--documents N`` above a timed length: :func:`equal_documents` would pack fewer documents than the
-    results say (a row of ``T`` tokens holds at most ``T``)."""
+def check_documents(n: int, lengths, given: bool = True) -> None:
+    """Refuse ``--documents N`` (``given``; else the -docs paths' default count) above a timed length:
+    :func:`equal_documents` would pack fewer documents than the results say (a row of ``T`` tokens holds at most
+    ``T``)."""
     short = min(lengths, default=n)
     if n > short:
         from ..checks import ConfigError
-        raise ConfigError(f"--documents {n} is more than the {short} tokens of a row at length {short} (each "
+        what = f"--documents {n}" if given else f"the -docs paths' default of {n} documents per row"
+        raise ConfigError(f"{what} is more than the {short} tokens of a row at length {short} (each "
                           f"document needs a token); give --documents <= {short} or longer --lengths")
 
 

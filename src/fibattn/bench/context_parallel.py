@@ -27,6 +27,7 @@ from ..presets import get_preset
 
 PLAN_LENGTHS = "16384,65536,262144,1048576"
 PLAN_RANKS = "2,4,8,64"
+MAX_PLAN_RANKS = 256      # the plan's cost grows with P squared: 0.8 s at P = 64, a minute at P = 512
 
 
 def configure_parser(parser) -> None:
@@ -122,6 +123,15 @@ def measure(preset: str, T: int, P: int, forward_only: bool) -> dict:
             "ranks": res[P]}
 
 
+def _check_measure_fits(cfg, T: int) -> None:
+    """Refuse a ``--measure`` length whose one-process run (the comparison) cannot fit this machine's memory: fp32
+    weights and gradients, eight saved activations per token and layer, the logits and their gradient."""
+    from ..validation import check_sizes_fit, estimate_params
+    n = estimate_params(cfg)
+    check_sizes_fit("--measure", [T], lambda t: 8 * n + t * 4 * (8 * cfg.n_layers * cfg.d_model + 2 * cfg.vocab_size),
+                    "the model's weights, gradients and activations in one process (fp32, batch 1)", "cpu")
+
+
 def format_plan(records: list[dict], preset: str) -> str:
     lines = [f"context parallelism, {preset} preset: rows (and MB of bf16 keys + values) a rank receives per layer",
              f"{'T':>9} {'P':>4} {'chunk':>8} {'largest d':>9} {'halo rows':>10} {'halo MB':>9} "
@@ -146,7 +156,7 @@ def format_measured(m: dict, plan: list[int]) -> str:
 
 def run(args) -> int:
     lengths = parse_int_list(args.lengths, "--lengths")
-    ranks = parse_int_list(args.ranks, "--ranks")
+    ranks = parse_int_list(args.ranks, "--ranks", maximum=MAX_PLAN_RANKS)
     if args.measure < 0:
         raise UsageError(f"--measure must be a length T >= 1 (0: off), got {args.measure}")
     if not args.measure and (args.measure_ranks is not None or args.forward_only):     # would be ignored
@@ -161,6 +171,8 @@ def run(args) -> int:
         raise UsageError(f"--measure-ranks must be 2, 3 or 4 (processes on this machine), got {args.measure_ranks}")
     if args.measure and args.measure % args.measure_ranks:
         raise UsageError(f"--measure {args.measure} must be divisible by --measure-ranks {args.measure_ranks}")
+    if args.measure:
+        _check_measure_fits(cfg, args.measure)
     print("\n".join(json.dumps(r) for r in records) if args.json else format_plan(records, args.preset), flush=True)
     if args.measure:
         from ..parallel import halo_plan, layer_dists

@@ -40,6 +40,7 @@ import types
 import torch
 
 from ..config import ConfigError
+from ..devices import resolve_device
 from ..generation.decode import DecodeSession
 from ..generation.kvcache import layer_read_plan
 from ..generation.sampling import Sampling
@@ -356,6 +357,7 @@ def _check_fits(shape: str, variants: list[str], contexts: list[int], prefill: l
 
 
 def run(args) -> int:
+    args.device = str(resolve_device(args.device))      # first: the checks below depend on it
     contexts = _list(args.contexts, "--contexts")
     prefill = _list(args.prefill, "--prefill", empty=True)
     shapes = _list(args.shapes, "--shapes", str, ("tiny", "paper"))
@@ -366,10 +368,6 @@ def run(args) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
     if args.threads < 0:
         raise ConfigError(f"--threads must be an integer >= 0, got {args.threads}")
-    if not args.device.startswith(("cpu", "cuda")):
-        raise ConfigError(f"--device must be cpu or cuda[:N], got {args.device!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.decode = resolve_decode(args.decode, torch.device(args.device))
     for shape in shapes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -24,17 +24,37 @@ class HostOverhead:
     overhead_us: float         # public_us - direct_us
     autograd_us: float         # the floor: eager.Attention (the kernels in a bare autograd Function) - direct_us
     cold: bool = False         # each call right after the caches were emptied (the median call; else the fastest)
+    spread_us: float = 0.0     # how far the rounds of the noisiest of the three calls lie from the value taken
 
     @property
     def fibattn_us(self) -> float:
         """What fibattn adds over the least a differentiable eager op costs (the floor)."""
         return self.overhead_us - self.autograd_us
 
+    @property
+    def noisy(self) -> bool:
+        """A difference came out negative: load from other processes moved the calls by more than they differ,
+        so no split of the overhead can be told (never printed as a negative time)."""
+        return min(self.overhead_us, self.autograd_us, self.fibattn_us) < 0
+
     def line(self) -> str:
         where = f"{self.op}, caches emptied first" if self.cold else self.op
-        return (f"host overhead per call (cpu, T=16, fwd+bwd, {where}): public op {self.public_us:.0f} µs, "
-                f"kernels direct {self.direct_us:.0f} µs, overhead {self.overhead_us:.0f} µs = PyTorch's autograd "
-                f"floor {self.autograd_us:.0f} µs + fibattn {self.fibattn_us:.0f} µs")
+        head = f"host overhead per call (cpu, T=16, fwd+bwd, {where}): "
+        if self.noisy:
+            return (head + f"too noisy to split (public op {self.public_us:.0f} µs, kernels direct "
+                    f"{self.direct_us:.0f} µs, bare autograd Function {self.direct_us + self.autograd_us:.0f} µs, "
+                    f"rounds spread {self.spread_us:.0f} µs: the calls differ by less than the load moves them); "
+                    f"run it again on a quieter machine")
+        return (head + f"public op {self.public_us:.0f} µs, kernels direct {self.direct_us:.0f} µs, overhead "
+                f"{self.overhead_us:.0f} µs = PyTorch's autograd floor {self.autograd_us:.0f} µs + fibattn "
+                f"{self.fibattn_us:.0f} µs (rounds spread {self.spread_us:.0f} µs)")
+
+    def record(self) -> dict:
+        """The JSON record: the differences are None (and ``too_noisy`` true) when they cannot be told."""
+        out = {**asdict(self), "fibattn_us": self.fibattn_us, "too_noisy": self.noisy}
+        if self.noisy:
+            out.update(overhead_us=None, autograd_us=None, fibattn_us=None)
+        return out
 
 
 def _emptier() -> torch.Tensor:
@@ -108,4 +128,16 @@ def host_overhead(op: str = "integer", seconds: float = 0.5, calls: int = 20, co
     finally:
         torch.set_num_threads(threads)
     pub, bare, kern = (statistics.median(t) if cold else min(t) for t in times)
-    return HostOverhead(op, pub, kern, pub - kern, bare - kern, cold)
+    spread = max(_spread(t, cold) for t in times)
+    return HostOverhead(op, pub, kern, pub - kern, bare - kern, cold, spread)
+
+
+def _spread(t: list[float], cold: bool) -> float:
+    """The rounds' spread about the value taken: half the interquartile range around the median (cold), the
+    median's distance from the fastest round (warm: the fastest is taken)."""
+    if len(t) < 2:
+        return 0.0
+    if cold:
+        q = statistics.quantiles(t, n=4)
+        return (q[2] - q[0]) / 2
+    return statistics.median(t) - min(t)

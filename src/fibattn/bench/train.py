@@ -40,9 +40,11 @@ import torch
 
 from ..checks import parse_int_list
 from ..config import ACTIVATION_CHECKPOINTING, ConfigError
+from ..devices import resolve_device
 from ..model.head_loss import logit_rows
 from ..model.lm import FibLM
 from ..presets import get_preset
+from ..threads import TORCH_DEFAULT, use_threads
 from ..trainer.setup import loss_head_for
 from ..trainer.throughput import flops_per_token, peak_flops
 from ..validation import check_training_fits
@@ -57,6 +59,7 @@ MEMORY = ("the weights, optimizer moments and batch a step starts with plus the 
           "once (CPU: PyTorch's allocator through the profiler; CUDA: max_memory_allocated)")
 MIN_STEPS = 5
 SPREAD = "min-max"           # what the *_min / *_max fields and the table's range are
+MAX_THREADS = 4096
 
 
 def check_steps(steps: int) -> int:
@@ -92,8 +95,10 @@ def configure_parser(parser) -> None:
     parser.add_argument("--dense-sdpa", default="auto", choices=SDPA,
                         help="the dense model's SDPA backend (default auto: cudnn, flash, efficient, math in that "
                              "order on CUDA; torch's choice on CPU)")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads (default 0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N (default cpu)")
+    parser.add_argument("--threads", default="0", metavar="N[,N...]",
+                        help="CPU thread counts, each timed in turn (0: the cores free now, fibattn's default; "
+                             "e.g. 0,1 or 0,%d: the default beside a chosen count; default 0)" % TORCH_DEFAULT)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -346,6 +351,7 @@ def format_checkpointing_table(rows: list[dict], compiled: bool) -> str:
 
 
 def run(args) -> int:
+    args.device = str(resolve_device(args.device))      # first: the defaults below depend on it
     lengths = parse_int_list(args.lengths, "--lengths", minimum=2, error=ConfigError)
     check_steps(args.steps)
     if args.tokens is None:
@@ -356,38 +362,69 @@ def run(args) -> int:
         raise ConfigError(f"--documents must be >= 1 (0: off), got {args.documents}")
     if args.documents:
         check_documents(args.documents, lengths)
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be >= 0, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    checkpointing = args.activation_checkpointing == "full"
-    if checkpointing and args.compiled_only:
+    if args.activation_checkpointing == "full" and args.compiled_only:
         raise ConfigError("--compiled-only times dense against sparse; --activation-checkpointing full times the "
                           "sparse model's modes against each other: use --compile with it instead")
+    counts = parse_int_list(args.threads, "--threads", minimum=0, error=ConfigError, maximum=MAX_THREADS)
+    if len(counts) != len(set(counts)):
+        raise ConfigError(f"--threads lists a count twice: {args.threads!r}")
+    rows = []
+    for n in counts:                       # each count's rows in turn: the default beside a chosen one
+        used = use_threads(n, "--threads")
+        rows += [{**r, "threads": used, "threads_asked": n} for r in _rows(args, lengths)]
+    return _show(args, rows, counts)
+
+
+def _rows(args, lengths) -> list[dict]:
+    checkpointing = args.activation_checkpointing == "full"
     common = (lengths, args.steps, args.tokens, args.preset, args.window, args.backend, args.device, args.schedule)
     if checkpointing:
-        rows = bench_checkpointing(*common, args.compile, args.documents, loss_head=args.loss_head)
-    else:
-        rows = bench(*common, args.compile or args.compiled_only, args.documents, loss_head=args.loss_head,
-                     dense_sdpa=args.dense_sdpa, eager=not args.compiled_only)
+        return bench_checkpointing(*common, args.compile, args.documents, loss_head=args.loss_head)
+    return bench(*common, args.compile or args.compiled_only, args.documents, loss_head=args.loss_head,
+                 dense_sdpa=args.dense_sdpa, eager=not args.compiled_only)
+
+
+def _show(args, rows: list[dict], counts: list[int]) -> int:
+    checkpointing = args.activation_checkpointing == "full"
+    threads = sorted({r["threads"] for r in rows})
     if args.json:
         print(json.dumps({"preset": args.preset, "window": args.window, "schedule": args.schedule,
-                          "device": args.device, "threads": torch.get_num_threads(), "steps": args.steps,
+                          "device": args.device, "threads": threads[0] if len(threads) == 1 else threads,
+                          "threads_asked": counts, "steps": args.steps,
                           "stat": "median", "spread": SPREAD, "order": "interleaved round-robin",
                           "activation_checkpointing": args.activation_checkpointing, "documents": args.documents,
                           "loss_head": args.loss_head, "dense_sdpa": args.dense_sdpa,
                           **({"peak_mb": MEMORY} if checkpointing else {}), "rows": rows}, indent=2))
         return 0
-    if checkpointing:
-        print(f"training memory and throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window}, "
-              f"activation checkpointing full vs none, {torch.get_num_threads()} threads, {args.device}"
-              + (f", {args.documents} packed documents per row" if args.documents else ""))
-        print(format_checkpointing_table(rows, args.compile))
-        return 0
-    print(f"training throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window} vs dense, "
-          f"{torch.get_num_threads()} threads, {args.device}"
-          + (f", {args.documents} packed documents per row" if args.documents else ""))
-    if args.compiled_only:
-        print("both models compiled (torch.compile, fullgraph=True)")
-    print(format_table(rows, args.compile and not args.compiled_only))
+    for n in counts:
+        part = [r for r in rows if r["threads_asked"] == n]
+        used = f"{part[0]['threads']} thread{'s' if part[0]['threads'] != 1 else ''}" + (
+            " (0: the cores free now)" if n == 0 else "")
+        if checkpointing:
+            print(f"training memory and throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window}, "
+                  f"activation checkpointing full vs none, {used}, {args.device}"
+                  + (f", {args.documents} packed documents per row" if args.documents else ""))
+            print(format_checkpointing_table(part, args.compile))
+            continue
+        print(f"training throughput, preset {args.preset} shape, fib/{args.schedule} W={args.window} vs dense, "
+              f"{used}, {args.device}" + (f", {args.documents} packed documents per row" if args.documents else ""))
+        if args.compiled_only:
+            print("both models compiled (torch.compile, fullgraph=True)")
+        print(format_table(part, args.compile and not args.compiled_only))
+    if len(counts) > 1:
+        print(thread_summary(rows, counts))
     return 0
+
+
+def thread_summary(rows: list[dict], counts: list[int]) -> str:
+    """Each thread count's tokens/s over the first count's, per length and variant (the counts timed in turn)."""
+    first = {r["length"]: r for r in rows if r["threads_asked"] == counts[0]}
+    lines = [f"threads side by side (each count timed in turn; over --threads {counts[0]}):"]
+    for n in counts[1:]:
+        for r in (r for r in rows if r["threads_asked"] == n):
+            base = first[r["length"]]
+            parts = [f"{k[:-len('_tok_s')]} {r[k] / base[k]:.2f}x" for k in r
+                     if k.endswith("_tok_s") and base.get(k)]
+            lines.append(f"  T={r['length']}: {r['threads']} thread{'s' if r['threads'] != 1 else ''}: "
+                         f"{', '.join(parts)}")
+    return "\n".join(lines)

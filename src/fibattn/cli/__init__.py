@@ -7,9 +7,10 @@ one-line error naming the field.
 from __future__ import annotations
 
 import argparse
-import errno
+import difflib
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -17,8 +18,8 @@ import traceback
 import torch
 
 from .. import __version__
-from ..checks import UsageError
-from ..files import os_error_line
+from ..checks import UsageError, float_flag, int_flag
+from ..entry import check_text, error_line, out_of_memory, setup_streams, shown
 from . import bench, demo, evaluate, export, generate, grid, prepare, probe, report, show_config, train
 
 COMMANDS = {
@@ -38,10 +39,50 @@ COMMANDS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``prog: error: message`` (no usage block), exit status 2."""
+    """argparse with one-line errors: ``prog: error: message`` (no usage block), exit status 2; no abbreviated
+    flags (``--dat`` is a typo, never ``--data``); every ``type=int`` / ``type=float`` flag range-checked where it
+    is parsed (:func:`fibattn.checks.int_flag`: sizes and counts fit 32 bits, numbers are finite)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names, **kwargs):
+        if kwargs.get("type") is int:
+            kwargs["type"] = int_flag()
+        elif kwargs.get("type") is float:
+            kwargs["type"] = float_flag()
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        choice = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
+        if choice:                        # a misspelt command or choice: its closest, as for a flag
+            close = _closest(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)))
+            message += f"; did you mean {close}?" if close else ""
+        self.exit(2, f"{self.prog}: error: {shown(message)} (see {self.prog} --help)\n")
+
+    def unrecognized(self, extra: list[str]) -> None:
+        """Refuse arguments this command does not take, suggesting the closest of its own flags."""
+        flags = sorted({o for a in self._actions for o in a.option_strings if o.startswith("--")})
+        hints = {}
+        for word in extra:
+            if word.startswith("--"):
+                close = _closest(word.split("=", 1)[0], flags)
+                if close:
+                    hints[word.split("=", 1)[0]] = close
+        hint = f"; did you mean {next(iter(hints.values()))}?" if len(hints) == 1 else (
+            "; did you mean " + ", ".join(f"{close} for {word}" for word, close in hints.items()) + "?" if hints
+            else "")
+        self.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
+
+def _closest(word: str, allowed: list[str]) -> str | None:
+    """The allowed word a misspelt or shortened ``word`` most likely meant (a sole completion first)."""
+    starts = [a for a in allowed if a.startswith(word)]
+    if len(starts) == 1:
+        return starts[0]
+    close = difflib.get_close_matches(word, allowed, n=1, cutoff=0.7)
+    return close[0] if close else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+        p.set_defaults(_module=module, _parser=p)
         module.configure_parser(p)
     return parser
 
@@ -81,12 +122,6 @@ def _setting_of(args, exc: OSError) -> str | None:
 
 
 _POSITIONAL = {"run": "RUN", "run_dir": "RUN", "out_dir": "OUT", "grid": "NAME"}     # metavars of positionals
-
-
-def _out_of_memory(exc: Exception) -> bool:
-    """An allocation the machine refused: Python's, a CUDA device's, or torch's CPU allocator's RuntimeError."""
-    return isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
 
 
 class _HeldLog(logging.StreamHandler):
@@ -130,9 +165,19 @@ def _start_logging(verbose: bool) -> _HeldLog | None:
 
 
 def main(argv=None) -> int:
+    setup_streams()
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        check_text(argv)                   # before parsing: argparse's own messages would show the bytes badly
+    except UsageError as exc:
+        command = argv[0] if argv and argv[0] in COMMANDS else None
+        print(f"fibattn{' ' + command if command else ''}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:                          # named by the command's own parser, with its closest flag
+            getattr(args, "_parser", parser).unrecognized(extra)
     except SystemExit as exc:              # --help (0) or a bad argument (2, already printed as one line)
         return exc.code if isinstance(exc.code, int) else 2
     held = _start_logging(args.verbose)
@@ -147,35 +192,32 @@ def main(argv=None) -> int:
     return code
 
 
+def _prog(args) -> str:
+    """The command as typed (``fibattn bench train``), for its error lines."""
+    parser = getattr(args, "_parser", None)
+    return parser.prog if parser is not None else f"fibattn {args.command}"
+
+
 def _run(args, held: _HeldLog | None) -> int:
     try:
         return int(args._module.run(args) or 0)
-    except UsageError as exc:              # bad input (ConfigError, ExportError, ...); a plain ValueError is a bug
-        if held is not None:
-            held.let_go(keep=False)       # the error line alone
-        print(f"fibattn {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except BrokenPipeError:                # stdout closed early (``fibattn config | head``): not an error
         sys.stdout = open(os.devnull, "w")
         return 0
-    except OSError as exc:                 # the file system refused: one line naming the path, never a traceback
-        if held is not None:
-            held.let_go(keep=False)
-        print(f"fibattn {args.command}: error: {os_error_line(exc, _setting_of(args, exc))}", file=sys.stderr)
-        return 1 if exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT) else 2
     except KeyboardInterrupt:
         print("fibattn: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:               # not bad input: a bug; keep the traceback and say so where it arose
-        if _out_of_memory(exc):            # past the size checks' lower bounds: a resource, not a bug
-            why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-            print(f"fibattn {args.command}: error: out of memory ({why}); lower the sizes asked for",
-                  file=sys.stderr)
-            return 1
+    except Exception as exc:               # bad input (a UsageError, never a plain ValueError), the file system's
+        told = error_line(exc, _setting_of(args, exc) if isinstance(exc, OSError) else None)   # refusal, OOM
+        if told is not None:
+            if held is not None and not out_of_memory(exc):
+                held.let_go(keep=False)   # the error line alone
+            print(f"{_prog(args)}: error: {told[1]}", file=sys.stderr)
+            return told[0]
         if held is not None:
             held.let_go()                 # what was logged before the traceback, in order
         traceback.print_exc()
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        print(f"fibattn {args.command}: internal error (a bug in fibattn, not your input; please report it): "
+        print(f"{_prog(args)}: internal error (a bug in fibattn, not your input; please report it): "
               f"{type(exc).__name__} at {where.filename}:{where.lineno}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ def configure_parser(parser) -> None:
     for name, module in SUITES.items():
         p = sub.add_parser(name, help=f"benchmark {name}")
         module.configure_parser(p)
-        p.set_defaults(_suite=module)
+        p.set_defaults(_suite=module, _parser=p)
 
 
 def run(args) -> int:

@@ -8,6 +8,7 @@ from ..checks import UsageError, parse_int_list
 from ..eval.modes import SCALING_KINDS
 from ..eval.run_folder import evaluate_run
 from ..storage.runs import parse_step
+from ..threads import use_threads
 
 
 def configure_parser(parser) -> None:
@@ -40,6 +41,7 @@ def configure_parser(parser) -> None:
     parser.add_argument("--json", default=None, metavar="OUT", help="JSON file to merge into (default: RUN/eval.json)")
     parser.add_argument("--db", default="", metavar="PATH|off", help="results DB (default: the run's)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: the cores free now)")
 
 
 def _refuse_old_mode_flags(args) -> None:
@@ -62,6 +64,7 @@ def run(args) -> int:
         raise UsageError(f"--batch-size must be an integer >= 1, got {args.batch_size}")
     if args.buckets < 1:
         raise UsageError(f"--buckets must be an integer >= 1, got {args.buckets}")
+    use_threads(args.threads, "--threads", max(1, args.context_parallel))
     report = evaluate_run(args.run, step=parse_step(args.step), lengths=lengths, datasets=datasets,
                           tokens=args.tokens, reach=args.reach, mode=args.mode, rope_factor=args.rope_factor,
                           batch_size=args.batch_size, device=args.device, precision=args.precision, data=args.data,

@@ -7,9 +7,7 @@ import math
 import sys
 import time
 
-import torch
-
-from ..checks import UsageError, check_int
+from ..checks import SEED_MAX, UsageError, check_int, int_flag
 from ..devices import resolve_device
 from ..generation.decode import generate
 from ..generation.static import DECODE_MODES
@@ -17,6 +15,7 @@ from ..generation.text import TextStream
 from ..model.rope import SCALING_KINDS, check_factor
 from ..storage.pretrained import load_model
 from ..storage.runs import parse_step
+from ..threads import use_threads
 
 log = logging.getLogger("fibattn")
 
@@ -29,11 +28,11 @@ def configure_parser(parser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=None,
+    parser.add_argument("--seed", type=int_flag(0, SEED_MAX), default=None,
                         help="sampling seed, for repeatable output (default: a fresh one each call)")
     parser.add_argument("--step", default="latest", help="checkpoint step (default: latest)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: the cores free now)")
     parser.add_argument("--rope-scaling", default="none", metavar="KIND",
                         help="none (default) | linear | ntk | yarn: RoPE scaling while generating (method.md §7)")
     parser.add_argument("--rope-factor", type=float, default=None, metavar="F",
@@ -69,8 +68,7 @@ def run(args, out=None) -> int:
     _check_flags(args)                     # named as flags here, before the model is loaded
     step = parse_step(args.step)
     device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(check_int("--threads", args.threads, 0))
+    use_threads(args.threads, "--threads")
     model, tokenizer = load_model(args.run_dir, step=step, device=device, model_overrides=args.overrides)
     if tokenizer is None:
         raise UsageError(f"{args.run_dir} has no tokenizer (tokenizer.json in the checkpoint, export or data folder)")

@@ -8,14 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from ..checks import UsageError, check_int, parse_int_list
+from ..checks import SEED_MAX, UsageError, check_int, int_flag, parse_int_list
 from ..devices import resolve_device
 from ..files import check_creatable, check_overwritable
 from ..study import probe_extrapolate as PX
 from ..study.probe import ProbeConfig, preset, run_probe
 from ..study.probe_extrapolate_report import TITLE, run_extrapolate
+from ..threads import use_threads
 
 PLAIN_ONLY = ("starts", "distances", "marked")          # flags of the plain probe that --extrapolate refuses
 
@@ -32,9 +31,10 @@ def configure_parser(parser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per model")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    parser.add_argument("--seed", type=int, default=None, help="seed (data and initial weights)")
+    parser.add_argument("--seed", type=int_flag(0, SEED_MAX), default=None, help="seed (data and initial weights)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads for torch with --jobs 1 (0: default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="CPU threads for torch with --jobs 1 (0: the cores free now)")
     parser.add_argument("--jobs", type=int, default=0, help="worker processes, one thread each (0: auto = one per "
                         "core up to the number of models on CPU, 1 on CUDA)")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -110,10 +110,7 @@ def extrapolate_config(args) -> PX.ExtrapolateConfig:
 
 
 def _threads(args) -> None:
-    if args.threads < 0:
-        raise UsageError(f"--threads must be an integer >= 0 (0: torch's default), got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args.threads, "--threads")
 
 
 def _show(tables: list[str], summary: list[str]) -> None:

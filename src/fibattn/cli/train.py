@@ -8,6 +8,7 @@ from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
 from ..data.manifest import data_config
+from ..devices import resolve_device
 from ..files import check_creatable
 from ..storage.init_source import naming
 from ..trainer.distributed import starting
@@ -30,8 +31,12 @@ def build_config(args, notes: list | None = None) -> RunConfig:
         cfg, origins = C.load_all(args.config)      # repeated: merged in order, later files override
     else:
         cfg = get_preset(args.preset or "tiny")
-    sets = args.set or []
+    sets = list(args.set or [])
     keys = [s.split("=", 1)[0].strip() for s in sets]
+    if getattr(args, "device", None) is not None:    # --device is --set train.device, given once
+        if "train.device" in keys:
+            raise ConfigError(f"--device {args.device} and --set train.device both choose the device; give one")
+        sets, keys = sets + [f"train.device={args.device}"], keys + ["train.device"]
     if args.data:
         given = [k for k in keys if k.startswith("data.")]
         if given:
@@ -94,9 +99,13 @@ def configure_parser(parser) -> None:
                         help="auto: continue from the newest verified checkpoint (default)")
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                         help="stop after this step with a checkpoint (resume later)")
+    parser.add_argument("--device", default=None, metavar="auto|cpu|cuda|cuda:N",
+                        help="where to train (train.device; default: the preset's, auto)")
 
 
 def run(args) -> int:
+    if args.device is not None:
+        resolve_device(args.device)                # first: one line about the device, whatever else is wrong
     if args.stop_at is not None:
         check_int("--stop-at", args.stop_at, 1)
     if not args.resume.strip():                    # named as the flag here, not as train()'s argument

@@ -289,13 +289,32 @@ def register() -> type | None:
 FibattnLM = register()
 
 
+PROG = "fibattn lm-eval"
+
+
 def main(argv=None) -> int:
-    """``python -m fibattn.interop.lm_eval_adapter <lm_eval args>``: register, then run lm-eval's CLI."""
+    """``python -m fibattn.interop.lm_eval_adapter <lm_eval args>``: register, then run lm-eval's CLI. A mistake
+    of the user's (a missing folder, an unknown ``model_args`` key, a corrupt file, ...) is one line and exit 2,
+    as in fibattn's own command line (:func:`fibattn.entry.error_line`); a bug keeps its traceback."""
+    from ..entry import check_text, error_line, setup_streams
+    setup_streams()
+    argv = list(sys.argv[1:] if argv is None else argv)
     if FibattnLM is None:
-        raise SystemExit("fibattn: lm-eval is not installed: pip install 'fibattn[eval]'")
-    from lm_eval.__main__ import cli_evaluate
-    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
-    return cli_evaluate() or 0
+        print(f"{PROG}: error: lm-eval is not installed: pip install 'fibattn[eval]'", file=sys.stderr)
+        return 2
+    try:
+        check_text(argv)
+        from lm_eval.__main__ import cli_evaluate
+        sys.argv = ["lm_eval", *argv]
+        return cli_evaluate() or 0
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        told = error_line(exc)
+        if told is None:
+            raise
+        print(f"{PROG}: error: {told[1]}", file=sys.stderr)
+        return told[0]
 
 
 if __name__ == "__main__":

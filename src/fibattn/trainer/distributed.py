@@ -22,6 +22,7 @@ import torch
 import torch.distributed as tdist
 
 from ..config import ConfigError, TrainConfig
+from ..devices import check_cuda
 from ..launch import launch
 
 log = logging.getLogger("fibattn")
@@ -52,14 +53,8 @@ def pick_device(t: TrainConfig, local_rank: int, world_size: int) -> torch.devic
         raise ConfigError(f"train.device={t.device} cannot be used with WORLD_SIZE={world_size}: each process uses "
                           f"cuda:LOCAL_RANK; set train.device=cuda or auto")
     if t.device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={t.device} but CUDA is not available here; use train.device=cpu or auto")
-        if t.device == "cuda":
-            return torch.device("cuda", local_rank)
-        index = int(t.device[5:])
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"train.device={t.device} but only {torch.cuda.device_count()} CUDA device(s) exist")
-        return torch.device("cuda", index)
+        check_cuda(t.device, "train.device", "=")          # the one device check every command makes
+        return torch.device("cuda", local_rank) if t.device == "cuda" else torch.device(t.device)
     chosen = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     log.info("fibattn: train.device auto -> %s", chosen)
     return chosen

@@ -19,6 +19,7 @@ from .. import validation as V
 from ..config import ConfigError, RunConfig
 from ..files import make_parents
 from ..model.head_loss import logit_rows
+from ..threads import use_threads
 from . import distributed as D
 from .logs import is_metrics_log
 
@@ -201,14 +202,9 @@ def tokenizer_file(data) -> Path | None:
 
 
 def set_threads(t: C.TrainConfig, dist: D.DistInfo) -> None:
-    if t.threads > 0:
-        torch.set_num_threads(t.threads)
-    elif dist.distributed and dist.device.type == "cpu":
-        n = max(1, (os.cpu_count() or 1) // max(1, dist.local_world_size))
-        torch.set_num_threads(n)
-        if dist.is_main:
-            log.info("fibattn: train.threads auto -> %d per process (%d processes on this node)",
-                     n, dist.local_world_size)
+    """train.threads, or the free cores shared among this node's processes (:mod:`fibattn.threads`)."""
+    shared = dist.distributed and dist.device.type == "cpu"
+    use_threads(t.threads, "train.threads", dist.local_world_size if shared else 1, tell=dist.is_main)
 
 
 def seed_all(seed: int) -> None:
