@@ -358,8 +358,10 @@ def test_manifest_with_wrong_keys_or_types_is_named(copy, capsys, change, needle
 def test_manifest_not_an_object_or_not_utf8(copy, capsys):
     (copy / "manifest.json").write_text("[1, 2]")
     cli_fails(capsys, ["prepare", "--verify", copy], "manifest.json", "must be a JSON object")
-    (copy / "manifest.json").write_bytes(b"\xff\xfe{}")
-    cli_fails(capsys, ["prepare", "--verify", copy], "manifest.json is not UTF-8")
+    (copy / "manifest.json").write_bytes(b"\xff\xfe{}")                 # the cause, not a decoding symptom
+    cli_fails(capsys, ["prepare", "--verify", copy], "manifest.json", "it is UTF-16 text")
+    (copy / "manifest.json").write_bytes(b'{"a": "caf\xe9"}')
+    cli_fails(capsys, ["prepare", "--verify", copy], "manifest.json", "byte 0xe9 at offset 10 is not UTF-8")
 
 
 def test_tokenizer_json_that_is_not_json(copy, capsys):
@@ -368,7 +370,8 @@ def test_tokenizer_json_that_is_not_json(copy, capsys):
     cli_fails(capsys, ["prepare", "--verify", copy], "tokenizer.json", "does not match the manifest sha256")
     edit_manifest(copy, lambda m: m["tokenizer"].update(sha256=tokenizer_sha256(tok)))   # even when listed so
     data = TokenData(copy)
-    with pytest.raises(ValueError, match=r"tokenizer\.json is not a tokenizer JSON file: Expecting value"):
+    with pytest.raises(ValueError, match=r"tokenizer\.json is not a tokenizer JSON file: line 1 column 1: 'this' is "
+                                         r"not a JSON value"):
         data.tokenizer
     tok.write_text(json.dumps({"model": {"type": "nonsense"}}))
     pytest.importorskip("tokenizers")

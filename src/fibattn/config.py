@@ -16,6 +16,7 @@ from typing import Any
 
 from .checks import ConfigError, did_you_mean
 from .effective import recorded
+from .files import atomic_write_text, parse_json, parse_toml
 
 # Attention backends: implementations of the same ops (``fibattn.ops.backends`` chooses and runs them).
 BACKENDS = ("reference", "torch", "cpu", "triton", "flex")
@@ -251,7 +252,6 @@ def from_dict(data: dict) -> RunConfig:
 def save(cfg: RunConfig, path) -> None:
     """Write ``cfg`` as a config file (a run's ``config.json``), atomically: only the settings that act
     (:func:`fibattn.effective.recorded`; loading gives the others their defaults, which do not act either)."""
-    from .files import atomic_write_text
     atomic_write_text(path, json.dumps(recorded(cfg), indent=2, sort_keys=True) + "\n")
 
 
@@ -263,20 +263,17 @@ def read_file(path) -> dict:
     try:
         with open(path, "rb") as fh:
             raw = fh.read()
-        if toml:
-            import tomllib
-            data = tomllib.loads(raw.decode("utf-8"))
-        else:
-            data = json.loads(raw.decode("utf-8"))
+        data = parse_toml(raw) if toml else parse_json(raw)      # a byte-order mark is fine; causes are named
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:
         raise ConfigError(f"config file {path} is a folder, not a {kind} file") from None
     except OSError as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
-        hint = "" if toml else " (a TOML config must end in .toml)"
+        looks_toml = re.match(r"\s*(\[[\w.\[\]]+\]|[\w.]+\s*=)", getattr(exc, "doc", "") or "")
+        hint = " (a TOML config must end in .toml)" if not toml and looks_toml else ""
         raise ConfigError(f"config file {path} is not valid {kind}: {reason}{hint}") from None
     except ValueError as exc:            # tomllib.TOMLDecodeError: its message names the line and column
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
 
-from .checks import ConfigError
+from .checks import ConfigError, UsageError
 
 
 def _umask() -> int:
@@ -231,3 +232,116 @@ def make_private_file(path) -> None:
     """Give a file fibattn built for itself (before it is renamed into a cache) a mode no one else may write:
     a umask of 002 would leave it group-writable, and the next process would refuse it."""
     os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
+# ------------------------------------------------------------------------- reading text files: the cause
+_WIDE_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xfe\xff", "UTF-16"),
+              (b"\xff\xfe", "UTF-16"))
+
+
+class TextFileError(UsageError, json.JSONDecodeError):
+    """What is wrong with a file's text, said as its cause (UTF-16 text, binary data, an empty file, a trailing
+    comma, a comment in JSON) rather than as the parser's symptom ("line 1 column 1"). A JSONDecodeError too, so
+    that readers which caught the parser's errors catch these."""
+
+    def __init__(self, cause: str, doc: str = "", pos: int = 0):
+        json.JSONDecodeError.__init__(self, cause, doc, pos)
+        self.args = (cause,)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def wide_text(raw: bytes) -> str | None:
+    """Why ``raw`` reads as UTF-16 or UTF-32 text (its byte-order mark, or a NUL in most odd or even bytes of its
+    start, as ASCII in those encodings has), else None: such a file is text in another encoding, not binary data."""
+    for bom, name in _WIDE_BOMS:
+        if raw.startswith(bom):
+            return f"{name} text (it starts with a {name} byte-order mark)"
+    head = raw[:64] if len(raw) >= 64 else raw[:len(raw) - len(raw) % 4]
+    if len(head) >= 4:
+        odd, even = head[1::2], head[0::2]
+        for half in (odd, even):
+            if half.count(0) * 4 >= len(half) * 3 and (odd if half is even else even).count(0) * 4 < len(half):
+                return "UTF-16 text without a byte-order mark"
+        quads = [head[k::4] for k in range(4)]
+        if sum(q.count(0) * 4 >= len(q) * 3 for q in quads) == 3:
+            return "UTF-32 text without a byte-order mark"
+    return None
+
+
+def utf8_text(raw: bytes) -> str:
+    """``raw`` as UTF-8 text, a leading byte-order mark dropped (editors on Windows write one); UTF-16/32, binary
+    data and other encodings are a :class:`TextFileError` naming the cause and where."""
+    wide = wide_text(raw)
+    if wide:
+        raise TextFileError(f"it is {wide}; save it as UTF-8")
+    raw = raw[3:] if raw.startswith(b"\xef\xbb\xbf") else raw
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        line = raw.count(b"\n", 0, nul) + 1
+        raise TextFileError(f"it holds binary data (a NUL byte at offset {nul}, line {line}), not text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lines = raw.count(b"\n", 0, exc.start)
+        at = f"offset {exc.start}" + (f", line {lines + 1}" if lines or raw.count(b"\n") > 1 else "")
+        raise TextFileError(f"byte 0x{raw[exc.start]:02x} at {at} is not UTF-8 (another encoding, such as Latin-1 or "
+                            f"Windows-1252?); save it as UTF-8") from None
+
+
+def _json_cause(exc: json.JSONDecodeError, text: str) -> str:
+    pos, line, col = exc.pos, exc.lineno, exc.colno
+    where = f"line {line} column {col}"
+    here = text[pos] if pos < len(text) else ""
+    before = text[:pos].rstrip()[-1:]
+    shown = text.splitlines()[line - 1].strip() if text.splitlines() else ""
+    shown = f": {shown[:60]!r}" if shown else ""
+    if not text[pos:].strip() and exc.msg != "Extra data" or exc.msg.startswith("Unterminated string"):
+        what = exc.msg.lower() + ("" if exc.msg.endswith(" at") else " at")
+        return f"it ends before the JSON does ({what} {where}: a bracket, brace or quote left open, or the file cut short)"
+    if here and here in "/#":
+        return f"{where}: JSON has no comments{shown}"
+    if exc.msg == "Extra data":
+        return f"{where}: more text after the JSON value ended (two values, or a stray character){shown}"
+    if here == "'":
+        return f"{where}: JSON strings and names need double quotes (\"), not single ones{shown}"
+    if here and here in "\u201c\u201d\u2018\u2019":
+        return f"{where}: a typographic quote ({here}); JSON needs straight double quotes (\"){shown}"
+    if before == "," and here and here in "}]":
+        return f"{where}: a comma before {here!r} (JSON allows no trailing comma){shown}"
+    if exc.msg.startswith("Invalid control character"):
+        return f"{where}: a line break or tab inside a string (write it as \\n or \\t){shown}"
+    if here.isalpha() and exc.msg == "Expecting value":
+        word = "".join(c for c in text[pos:pos + 12].split()[0] if c.isalnum() or c == "_") if text[pos:].split() \
+            else here
+        return (f"{where}: {word!r} is not a JSON value (strings need double quotes; true, false and null are "
+                f"lower case){shown}")
+    return f"{exc.msg} at {where}{shown}"
+
+
+def parse_json(raw):
+    """The JSON value of a file's bytes (or text): a leading byte-order mark is accepted; anything unreadable is a
+    :class:`TextFileError` that names the cause (see :func:`utf8_text`; an empty file, a trailing comma, a comment,
+    single quotes, Python's True/None, a truncated file, ...) with the line and its text."""
+    text = utf8_text(raw) if isinstance(raw, (bytes, bytearray)) else str(raw).removeprefix("\ufeff")
+    if not text.strip():
+        raise TextFileError("it is empty" if not text else "it holds only whitespace, no JSON value")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TextFileError(_json_cause(exc, text), text, exc.pos) from None
+    except RecursionError:
+        raise TextFileError("it is nested too deeply") from None
+
+
+def read_json(path):
+    """:func:`parse_json` of the file at ``path`` (an ``OSError`` when it cannot be read)."""
+    with open(path, "rb") as fh:
+        return parse_json(fh.read())
+
+
+def parse_toml(raw: bytes) -> dict:
+    """The TOML document of a file's bytes, decoded as :func:`utf8_text` does (tomllib's own errors name the line)."""
+    import tomllib
+    return tomllib.loads(utf8_text(raw))

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import math
 import numbers
 import re
 from pathlib import Path
 
+from ..files import TextFileError, read_json
 from ..checks import UsageError
 from ..config import DataConfig, SourceConfig, from_dict
 from .shards import FORMAT_VERSION
@@ -159,15 +159,11 @@ def read_manifest(folder) -> dict:
             "; it holds a model, a run or an export: give the data folder it was trained on, or prepare one with "
             "`fibattn prepare`" if model else "; run `fibattn prepare`"), str(folder))
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        manifest = read_json(path)
     except OSError as exc:
         raise UsageError(f"{path} cannot be read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{path} is not UTF-8 text (a manifest is JSON): {exc}; {_REBUILD}") from None
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path} is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise UsageError(f"{path} is not a valid fibattn manifest: nested too deeply ({_REBUILD})") from None
+    except TextFileError as exc:           # the cause: UTF-16, a byte-order mark is fine, a trailing comma, ...
+        raise UsageError(f"{path} is not a valid fibattn manifest: {exc} ({_REBUILD})") from None
     if not isinstance(manifest, dict):
         raise UsageError(f"{path} is not a valid fibattn manifest: the document must be a JSON object, got "
                          f"{type(manifest).__name__} ({_REBUILD})")

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 from ..checks import UsageError
 from ..config import ConfigError, SourceConfig
+from ..files import TextFileError, parse_json, utf8_text
 from .corpus import corpus_texts
 from .selection import select_files, unreadable
 from .tokenizers import require
@@ -71,10 +72,10 @@ def _read_error(path: Path, exc: OSError) -> UsageError:
 
 def _decode(raw: bytes, path: Path, where: str) -> str:
     try:
-        return raw.decode("utf-8-sig" if raw.startswith(b"\xef\xbb\xbf") else "utf-8")
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"{where} is not valid UTF-8 text (byte {exc.start}: {exc.reason}); fibattn reads "
-                         f"UTF-8 text files only, convert it (e.g. iconv -t UTF-8)") from None
+        return utf8_text(raw)               # a byte-order mark is fine; UTF-16, binary data: named as such
+    except TextFileError as exc:
+        raise UsageError(f"{where} is not valid UTF-8 text: {exc}; fibattn reads UTF-8 text files only, convert "
+                         f"it (e.g. iconv -t UTF-8)") from None
 
 
 def _read_txt(path: Path) -> Iterator[str]:
@@ -99,11 +100,9 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{lineno} is not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise UsageError(f"{path}:{lineno} is not valid JSON: nested too deeply") from None
+            row = parse_json(line)
+        except TextFileError as exc:        # the cause (a trailing comma, single quotes, ...), not the symptom
+            raise UsageError(f"{path}:{lineno} is not valid JSON: {exc}") from None
         if not isinstance(row, dict) or field not in row:
             keys = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
             raise UsageError(f"{path}:{lineno} has no text_field {field!r} (has: {keys})")

@@ -24,7 +24,7 @@ from typing import Iterable, Iterator, Union
 import numpy as np
 
 from ..checks import UsageError
-from ..files import atomic_write_text
+from ..files import TextFileError, atomic_write_text, parse_json, utf8_text
 
 TOKENIZER_FILE = "tokenizer.json"
 # an export's byte-for-byte copy of the run's own file (its tokenizer.json is transformers' form of it)
@@ -256,11 +256,9 @@ def parse_tokenizer(data: bytes, file) -> Tokenizer:
     """The tokenizer of a ``tokenizer.json``'s bytes (``file`` names it in errors): what was hashed is what is
     used."""
     try:
-        obj = json.loads(data.decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        obj = parse_json(data)              # a byte-order mark is fine; what is wrong is named (files.parse_json)
+    except TextFileError as exc:
         raise UsageError(f"{file} is not a tokenizer JSON file: {exc}") from None
-    except RecursionError:
-        raise UsageError(f"{file} is not a tokenizer JSON file: nested too deeply") from None
     if isinstance(obj, dict) and obj.get("fibattn_tokenizer") == "byte":
         if obj.get("vocab_size") != ByteTokenizer.vocab_size or obj.get("eos_id") != ByteTokenizer.eos_id:
             raise UsageError(f"{file}: byte tokenizer must have vocab_size 256 and eos_id 255, got "
@@ -269,7 +267,7 @@ def parse_tokenizer(data: bytes, file) -> Tokenizer:
     if isinstance(obj, dict) and "model" in obj:
         tk = require("tokenizers", f"loading the bpe tokenizer {file}")
         try:
-            return BPETokenizer(tk.Tokenizer.from_str(data.decode("utf-8")))
+            return BPETokenizer(tk.Tokenizer.from_str(utf8_text(data)))
         except Exception as exc:         # the tokenizers package raises its own exception types
             raise UsageError(f"{file} is not a valid Hugging Face tokenizer.json: "
                              f"{' '.join(str(exc).split())}") from None

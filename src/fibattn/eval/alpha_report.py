@@ -11,13 +11,12 @@ layer 3, 1.000 → 1.042 (+0.042)``) and a PNG of alpha vs step per layer (:func
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checks import UsageError
-from ..files import atomic_write_text
+from ..files import TextFileError, atomic_write_text, parse_json
 
 log = logging.getLogger("fibattn")
 
@@ -113,13 +112,13 @@ def history_from_metrics(path) -> list:
     if not path.is_file():
         return []
     out = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_bytes().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            raise UsageError(f"{path}: line {n} is not JSON") from None
+            rec = parse_json(line)
+        except TextFileError as exc:           # the cause (binary data, a cut line, ...), with the line
+            raise UsageError(f"{path}: line {n} is not JSON: {exc}") from None
         if isinstance(rec, dict) and "alphas" in rec and "step" in rec:
             out[int(rec["step"])] = [float(a) for a in rec["alphas"]]
     return sorted(out.items())

@@ -31,7 +31,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ..checks import UsageError
-from ..files import atomic_write_bytes, atomic_write_text, fsync_dir, listed_file_problem, sha256_file
+from ..files import atomic_write_bytes, atomic_write_text, fsync_dir, listed_file_problem, read_json, sha256_file
 from ..locks import try_flock
 from .pins import META, pin, unpin
 
@@ -263,14 +263,14 @@ def check_identity(path, meta: dict) -> None:
         return
     run_cfg = run / CONFIG
     try:
-        theirs = _model_section(json.loads(run_cfg.read_text()))
+        theirs = _model_section(read_json(run_cfg))
     except (OSError, ValueError):
         theirs = None
     if theirs is None:
         raise CheckpointError(f"checkpoint {path}: cannot check it against the run's config: {run_cfg} is not a "
                               f"readable fibattn config (no 'model' section)")
     try:
-        mine = _model_section(json.loads((path / CONFIG).read_text()))
+        mine = _model_section(read_json(path / CONFIG))
     except (OSError, ValueError):
         mine = None
     if mine is None:
@@ -293,7 +293,7 @@ def verify(path) -> dict:
     if not meta_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: {META} is missing")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = read_json(meta_path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({exc})") from None
     problem = _meta_problem(meta)

@@ -4,8 +4,9 @@ Below :mod:`.runs` and :mod:`.pretrained`, which both name a foreign folder the 
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..files import read_json
 
 CONFIG = "config.json"
 
@@ -14,7 +15,7 @@ def foreign_hint(path) -> str:
     """What a folder that is neither a fibattn run nor an export is, when its config.json says (a transformers
     folder, e.g. from ``export --format hf``), and what to use instead; ``""`` otherwise."""
     try:
-        doc = json.loads((Path(path) / CONFIG).read_text(encoding="utf-8"))
+        doc = read_json(Path(path) / CONFIG)
     except (OSError, ValueError):
         return ""
     if not isinstance(doc, dict) or "fibattn_format" in doc or not isinstance(doc.get("model_type"), str):

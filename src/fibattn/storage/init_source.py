@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as st_load
 
+from ..files import read_json
 from ..config import ConfigError
 from ..model.llama_names import from_llama, llama_shapes
 from . import checkpoint as ck
@@ -194,8 +194,8 @@ def _foreign_config(spec: str, path: Path) -> dict | None:
     if not cfg.is_file() or _is_run(path):
         return None
     try:
-        doc = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        doc = read_json(cfg)
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"{_who(spec)}: {cfg} is not valid JSON ({str(exc).splitlines()[0]})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{_who(spec)}: {cfg} must hold a JSON object, got {type(doc).__name__}")
@@ -263,8 +263,8 @@ def _weight_files(spec: str, path: Path) -> dict[str, Path] | list[Path]:
         def bad(what: str):
             raise ConfigError(f"{_who(spec)}: {index} {what}")
         try:
-            doc = json.loads(index.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            doc = read_json(index)
+        except (OSError, ValueError) as exc:
             bad(f"is not valid JSON ({str(exc).splitlines()[0]})")
         if not isinstance(doc, dict):
             bad(f"must hold a JSON object, got {type(doc).__name__}")

@@ -22,7 +22,6 @@ problem raises :class:`ExportError` naming the file.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from ..checks import UsageError, check_keys
 from ..data.tokenizers import EXPORTED_TOKENIZER_FILE
 from ..config import RunConfig
 from ..effective import check_honoured
-from ..files import listed_file_problem
+from ..files import listed_file_problem, parse_json, read_json
 from .foreign import foreign_hint
 from .shapes import load_checked
 
@@ -74,7 +73,7 @@ def is_export(path) -> bool:
     if not cfg.is_file():
         return False
     try:
-        doc = json.loads(cfg.read_text(encoding="utf-8"))
+        doc = read_json(cfg)
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and "fibattn_format" in doc
@@ -90,8 +89,8 @@ def read_meta(path) -> dict:
         raise ExportError(f"{folder}: {CONFIG} is missing (not a fibattn export folder; write one with "
                           f"`fibattn export RUN OUT`)")
     try:
-        doc = json.loads(cfg.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        doc = read_json(cfg)
+    except (OSError, ValueError) as exc:
         raise ExportError(f"{folder}: {CONFIG} is corrupted (not valid JSON: {exc})") from None
     if not isinstance(doc, dict) or "fibattn_format" not in doc:
         hint = (" — it is a training run's config: load the run with fibattn.from_pretrained / load_model, or write "
@@ -155,8 +154,8 @@ def _tokenizer(folder: Path, meta: dict):
     data = read_verified(folder, name, meta)
     from ..data.tokenizers import load_tokenizer
     try:
-        json.loads(data)
-    except (UnicodeDecodeError, ValueError) as exc:
+        parse_json(data)
+    except ValueError as exc:
         raise ExportError(f"{folder}: file {name} is corrupted (not valid JSON: {exc})") from None
     return load_tokenizer(folder / name)
 

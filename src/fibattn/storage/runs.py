@@ -9,12 +9,12 @@ Only safetensors and JSON are read (no pickle); every file's sha256 is checked f
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import torch
 
+from ..files import parse_json, read_json
 from ..checks import UsageError
 from . import checkpoint as ck
 from .foreign import foreign_hint
@@ -95,7 +95,7 @@ def read_eval_doc(path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        doc = json.loads(path.read_text())
+        doc = read_json(path)
     except (OSError, ValueError) as exc:
         raise UsageError(f"{path} exists but is not an eval JSON file (not valid JSON: {exc})") from None
     problem = eval_doc_problem(doc)
@@ -150,7 +150,7 @@ def find_checkpoint(run_dir, step="latest") -> Path:
 def checkpoint_config(c: ck.Checkpoint) -> C.RunConfig:
     """The run config stored in a verified checkpoint (a CheckpointError naming the file if it is not one)."""
     try:
-        return C.from_dict(json.loads(c._read(ck.CONFIG)))
+        return C.from_dict(parse_json(c._read(ck.CONFIG)))
     except ck.CheckpointError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -25,6 +25,7 @@ from pathlib import Path
 from .. import config as C
 from ..checks import UsageError, check_keys
 from ..config import ConfigError, RunConfig
+from ..files import read_json
 from ..presets import PRESETS, get_preset
 from ..trainer.init_recipe import apply_recipe
 from ..validation import fit_warmup, given_by_set, validate
@@ -336,8 +337,10 @@ def load_extension(path) -> list[GridRun]:
     if not p.is_file():
         raise UsageError(f"--extend file {p} does not exist")
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
+        data = read_json(p)
+    except OSError as exc:
+        raise UsageError(f"--extend file {p} cannot be read: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:          # files.TextFileError: the cause, with the line
         raise UsageError(f"--extend file {p} is not valid JSON: {exc}") from None
     if not isinstance(data, list) or not data:
         raise UsageError(f"--extend file {p} must hold a non-empty JSON list of runs, got {type(data).__name__}")

@@ -10,7 +10,6 @@ rank 0's state) but is not bit-exact.
 """
 from __future__ import annotations
 
-import json
 import logging
 import random
 import shutil
@@ -23,7 +22,7 @@ from ..storage import checkpoint as ck
 from ..storage.shapes import check_shapes, load_checked
 from ..config import RunConfig, save as save_config, with_defaults
 from ..effective import recorded, unread
-from ..files import atomic_write_bytes
+from ..files import atomic_write_bytes, read_json
 from .distributed import DistInfo, broadcast_int, together
 
 log = logging.getLogger("fibattn")
@@ -153,7 +152,7 @@ def saved_config(path: Path) -> dict:
     """The run config in checkpoint ``path`` as a dict (a CheckpointError naming the file if it is not one)."""
     f = Path(path) / ck.CONFIG
     try:
-        saved = json.loads(f.read_text())
+        saved = read_json(f)
     except (OSError, ValueError) as exc:
         raise ck.CheckpointError(f"checkpoint {path}: file {ck.CONFIG} is unreadable ({exc})") from None
     if not (isinstance(saved, dict) and all(isinstance(saved.get(k), dict) for k in ("model", "data", "train"))):
