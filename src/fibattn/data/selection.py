@@ -9,30 +9,96 @@ and :func:`skipped_note` says how many and why; nothing is dropped without a wor
 sorted order of their path under the folder, so a preparation is reproducible.
 
 Globs (``fnmatch``, case-sensitive, ``*`` also crosses ``/``) match a file's path under the folder or
-its name; an ``exclude`` glob matching a folder's path or name leaves out the folder whole.
+its name; a glob matching a folder's path or name chooses the folder whole (``exclude``: left out,
+``include``: every file in it). They are read as people write them (:func:`patterns`, decided here for
+every source): ``dir/`` (as .gitignore writes a folder) matches folders only, ``/dir`` and ``./dir`` only
+at the top of the source folder, ``**/`` any depth including none, and an absolute path inside the folder
+as its path there. A glob that can never match (empty, the folder itself, ``..``, a path outside the
+folder) is refused, naming it; one that matched nothing is said in the note.
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
 from pathlib import Path
 
 from ..config import ConfigError, SourceConfig
+from ..files import wide_text
 
 STRUCTURED = (".jsonl", ".parquet")   # read as rows (a document each), not as one text
 SNIFF_BYTES = 1 << 13
 SHOWN = 3                             # names shown per skip reason
 # skip reasons, in the order a file is tested and the note lists them
-HIDDEN, EXCLUDED, NOT_INCLUDED, BINARY, NOT_UTF8 = (
-    "hidden", "matched by exclude", "not matched by include", "binary (NUL bytes)", "not UTF-8 text")
+HIDDEN, EXCLUDED, NOT_INCLUDED, BINARY, NOT_UTF8, WIDE = (
+    "hidden", "matched by exclude", "not matched by include", "binary (NUL bytes)", "not UTF-8 text",
+    "UTF-16 or UTF-32 text")
 
 
 @dataclass
 class Selection:
     files: list = field(default_factory=list)       # Paths, in reading order
     skipped: dict = field(default_factory=dict)     # reason -> names under the folder (folders end in /)
+    unmatched: list = field(default_factory=list)   # "include 'x'" / "exclude 'x'": globs that matched nothing
+
+
+@dataclass(frozen=True)
+class Glob:
+    """A glob as the user meant it: ``pattern`` (fnmatch), for folders only (``dir/``), anchored at the top
+    of the source folder (``/dir``, ``./dir``, a path with a ``/`` inside) or matching at any depth."""
+
+    text: str
+    pattern: str
+    folders_only: bool = False
+    anchored: bool = False
+
+    def matches(self, rel: str, is_dir: bool) -> bool:
+        if self.folders_only and not is_dir:
+            return False
+        # a/**/b: also a/b (** stands for any folders, none included)
+        alts = (self.pattern, self.pattern.replace("/**/", "/")) if "/**/" in self.pattern else (self.pattern,)
+        tails = [rel] if self.anchored else [rel] + [rel[i + 1:] for i, c in enumerate(rel) if c == "/"]
+        return any(fnmatchcase(t, p) for t in tails for p in alts)
+
+
+def patterns(globs, where: str, root: Path) -> list[Glob]:
+    """``globs`` (a source's ``include`` or ``exclude``, named ``where``) as :class:`Glob`, or a ConfigError
+    naming one that can never match a path under ``root``."""
+    out = []
+    for text in globs:
+        g = text.strip()
+
+        def never(why: str):
+            raise ConfigError(f"{where} glob {text!r} can never match: {why}")
+        if g.startswith("/") and not (root / g.strip("/")).exists():    # an absolute path, not /dir of the folder
+            path = Path(g)
+            real = path.resolve() if path.exists() else path
+            try:
+                g = "/" + real.relative_to(root.resolve()).as_posix() + "/" * g.endswith("/")
+            except ValueError:
+                if path.exists():
+                    never(f"{g} is outside the source folder {root}; give a path inside it, or relative to it")
+        anchored = g.startswith(("/", "./"))
+        g = re.sub(r"/+", "/", g.removeprefix("./").lstrip("/"))
+        while g.startswith("./"):
+            g = g[2:]
+        folders_only = g.endswith("/")
+        g = g.rstrip("/")
+        if g.startswith("**/"):                     # any depth, none included: what an unanchored glob does
+            g, anchored = g[3:], False
+        if not g or g == ".":
+            itself = " (an empty include reads every file)" if where.endswith("include") else \
+                " (it would leave out every file: drop the source instead)"
+            never(f"it names the source folder itself{itself}" if text.strip() else "it is empty")
+        if g.startswith("!"):
+            never("'!' (a .gitignore negation) is not a glob here; list what to read in include instead")
+        if ".." in g.split("/"):
+            never("'..' leaves the source folder, and only paths inside it are matched")
+        anchored = anchored or "/" in g and not g.startswith("*")
+        out.append(Glob(text, g, folders_only, anchored))
+    return out
 
 
 def unreadable(path: Path, where: str, exc: OSError) -> ConfigError:
@@ -44,6 +110,8 @@ def unreadable(path: Path, where: str, exc: OSError) -> ConfigError:
 def _sniff_cached(path: str, size: int, mtime_ns: int, ino: int) -> str | None:
     with open(path, "rb") as fh:
         head = fh.read(SNIFF_BYTES)
+    if wide_text(head):
+        return WIDE
     if b"\0" in head:
         return BINARY
     try:
@@ -71,9 +139,10 @@ def _decode_errors(head: bytes):
         yield exc
 
 
-def _matches(rel: str, patterns) -> bool:
-    name = rel.rsplit("/", 1)[-1]
-    return any(fnmatchcase(rel, p) or fnmatchcase(name, p) for p in patterns)
+def _matching(rel: str, globs, is_dir: bool, used: set) -> bool:
+    hit = [g for g in globs if g.matches(rel, is_dir)]
+    used.update(g.text for g in hit)
+    return bool(hit)
 
 
 def _walk(root: Path, src: SourceConfig, where: str) -> Selection:
@@ -83,7 +152,10 @@ def _walk(root: Path, src: SourceConfig, where: str) -> Selection:
     def fail(exc: OSError):
         raise unreadable(Path(exc.filename or root), where, exc)
 
-    sel, seen = Selection(), set()
+    sel, seen, used = Selection(), set(), set()
+    include = patterns(src.include, f"{where.removesuffix('.path')}.include", root)
+    exclude = patterns(src.exclude, f"{where.removesuffix('.path')}.exclude", root)
+    included = set()                        # folders an include glob chose whole (everything below them is in)
 
     def skip(reason: str, rel: str):
         sel.skipped.setdefault(reason, []).append(rel)
@@ -96,22 +168,25 @@ def _walk(root: Path, src: SourceConfig, where: str) -> Selection:
         seen.add(real)
         base = Path(folder).relative_to(root).as_posix()
         prefix = "" if base == "." else base + "/"
+        inside = base in included
         keep = []
         for d in sorted(subdirs):
             if d.startswith("."):
                 skip(HIDDEN, f"{prefix}{d}/")
-            elif _matches(prefix + d, src.exclude):
+            elif _matching(prefix + d, exclude, True, used):
                 skip(EXCLUDED, f"{prefix}{d}/")
             else:
                 keep.append(d)
+                if inside or _matching(prefix + d, include, True, used):
+                    included.add(prefix + d)
         subdirs[:] = keep
         for name in sorted(names):
             rel, path = prefix + name, Path(folder) / name
             if name.startswith("."):
                 skip(HIDDEN, rel)
-            elif _matches(rel, src.exclude):
+            elif _matching(rel, exclude, False, used):
                 skip(EXCLUDED, rel)
-            elif src.include and not _matches(rel, src.include):
+            elif include and not (_matching(rel, include, False, used) or inside):
                 skip(NOT_INCLUDED, rel)
             elif not path.exists():
                 raise ConfigError(f"{where}: {path} is a broken link (its target does not exist); fix or remove it "
@@ -130,12 +205,14 @@ def _walk(root: Path, src: SourceConfig, where: str) -> Selection:
                 else:
                     sel.files.append(path)
     sel.files.sort(key=lambda p: p.relative_to(root).as_posix())
+    sel.unmatched = [f"{kind} {g.text!r}" for kind, globs in (("include", include), ("exclude", exclude))
+                     for g in globs if g.text not in used]
     return sel
 
 
 def describe_skipped(skipped: dict) -> str:
     """``"5 entries: 2 hidden: .git/, .env; 3 binary (NUL bytes): a.png, b.png, c.bin"``."""
-    order = (HIDDEN, EXCLUDED, NOT_INCLUDED, BINARY, NOT_UTF8)
+    order = (HIDDEN, EXCLUDED, NOT_INCLUDED, BINARY, NOT_UTF8, WIDE)
     parts = []
     for reason in order:
         names = skipped.get(reason, [])
@@ -161,6 +238,9 @@ def select_files(src: SourceConfig, where: str) -> Selection:
         if not os.access(root, os.R_OK):
             raise unreadable(root, f"{where}.path", PermissionError(13, "permission denied"))
         why = None if root.suffix in STRUCTURED else sniff(root, f"{where}.path")
+        if why == WIDE:
+            raise ConfigError(f"{where}.path {root} is {wide_text(root.read_bytes()[:SNIFF_BYTES])}; fibattn reads "
+                              f"UTF-8 text files only, convert it (e.g. iconv -f UTF-16 -t UTF-8)")
         if why == NOT_UTF8:              # named directly: say where, as reading it would
             head = root.read_bytes()[:SNIFF_BYTES]
             exc = next(e for e in _decode_errors(head))
@@ -186,8 +266,11 @@ def skipped_note(src: SourceConfig, where: str) -> str | None:
     if src.kind != "files":
         return None
     sel = select_files(src, where)
-    if not sel.skipped:
+    unmatched = f"; {', '.join(sel.unmatched)} matched nothing" if sel.unmatched else ""
+    if not sel.skipped and not unmatched:
         return None
-    convert = "; convert other encodings to UTF-8 (e.g. iconv -t UTF-8)" if NOT_UTF8 in sel.skipped else ""
-    return (f"data: {where} {src.path}: reading {len(sel.files)} files, skipped {describe_skipped(sel.skipped)} "
+    convert = "; convert other encodings to UTF-8 (e.g. iconv -t UTF-8)" if {NOT_UTF8, WIDE} & set(sel.skipped) \
+        else ""
+    skipped = f"skipped {describe_skipped(sel.skipped)}" if sel.skipped else "skipped nothing"
+    return (f"data: {where} {src.path}: reading {len(sel.files)} files, {skipped}{unmatched} "
             f"(include / exclude globs choose what a folder contributes{convert})")
