@@ -61,7 +61,7 @@ def test_config_shows_help_and_allowed_values_and_filters_keys(capsys):
 
 
 @pytest.mark.parametrize("item, want", [
-    ("model.windw=3", "did you mean 'window'?"),
+    ("model.windw=3", "did you mean 'model.window'?"),          # the full key, to paste back
     ("train.window=3", "did you mean 'model.window'?"),         # the right name in another section
     ("windw=3", "did you mean 'model.window'?"),
     ("model.lr=1", "did you mean 'train.lr'?"),
@@ -92,7 +92,8 @@ def test_a_toml_config_reads_like_json_and_its_errors_name_file_and_line(tmp_pat
     typo = tmp_path / "typo.toml"
     typo.write_text("[train]\nwarmup_step = 3\n")
     rc, _, err = _run(capsys, ["config", "--config", str(typo)])
-    assert rc == 2 and f"config file {typo}: unknown config key train.warmup_step; did you mean 'warmup_steps'" in err
+    assert rc == 2 and (f"config file {typo}: unknown config key train.warmup_step; did you mean "
+                        f"'train.warmup_steps'") in err
 
 
 def test_one_sources_field_is_set_by_index():
@@ -101,5 +102,5 @@ def test_one_sources_field_is_set_by_index():
     assert (cfg.data.sources[0].exclude, cfg.data.sources[0].max_docs) == (["*.log", "build"], 3)
     with pytest.raises(C.ConfigError, match=r"data.sources has 1 entries \(indices 0..0\), got \[1\]"):
         C.apply_overrides(cfg, ["data.sources[1].include=*.md"])
-    with pytest.raises(C.ConfigError, match=r"'data.sources\[0\].inclde'; did you mean 'include'"):
+    with pytest.raises(C.ConfigError, match=r"'data.sources\[0\].inclde'; did you mean 'data.sources\[0\].include'"):
         C.apply_overrides(cfg, ["data.sources[0].inclde=*.md"])

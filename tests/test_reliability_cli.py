@@ -155,6 +155,13 @@ CASES = [
     ("bench-generate-shapes", ["bench", "generate", "--shapes", "huge"], "--shapes"),
     ("bench-generate-steps", ["bench", "generate", "--steps", "0"], "--steps"),
     ("bench-suite", ["bench", "nosuite"], "SUITE"),
+    # ---- issue 60 item 6: the closest flag or full key, a schedule's other name, train --device
+    ("train-flag-prefix", _tr("--dat", "{W}"), "did you mean --data? (see fibattn train --help)"),
+    ("generate-flag-typo", ["generate", "{R}", "--prompt", "hi", "--temprature", "0.5"], "did you mean --temperature"),
+    ("config-key-full", ["config", *_set("model.windw=8")], "did you mean 'model.window'"),
+    ("train-schedule-word", _tr(*_set("model.schedule=stagger")), "use linear"),
+    ("train-device-typo", _tr("--device", "gpu"), "--device"),
+    ("train-device-twice", _tr("--device", "cpu", *_set("train.device=cpu")), "--device cpu and --set train.device"),
     ("no-command", [], "COMMAND"),
     ("unknown-command", ["frobnicate"], "frobnicate"),
 ]

@@ -311,9 +311,9 @@ def test_a_misspelt_lm_eval_model_arg_or_generation_option_is_refused(env):
 def test_config_keys_read_from_json_suggest_the_closest(tmp_path, capsys):
     (tmp_path / "c.json").write_text(json.dumps({"name": "x", "model": {"windw": 3}}))
     line = refused(capsys, ["config", "--config", tmp_path / "c.json"], tmp_path, "model.windw")
-    assert "did you mean 'window'" in line
+    assert "did you mean 'model.window'" in line
     line = refused(capsys, ["config", "--set", "train.warmup_step=1"], tmp_path, "train.warmup_step")
-    assert "did you mean 'warmup_steps'" in line
+    assert "did you mean 'train.warmup_steps'" in line
 
 
 def test_a_misspelt_saved_fibattn_setting_of_a_transformers_folder_is_refused(tmp_path):

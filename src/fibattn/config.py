@@ -34,6 +34,17 @@ def show_value(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+# other words for a choice (the demo's run names fib_stagger / fib_hdc, the README's prose): refused with the
+# choice they mean, so that one name stays in configs, records and exports
+CHOICE_WORDS = {"model.schedule": {"stagger": "linear", "staggered": "linear", "hdc": "coprime"}}
+
+
+def choice_hint(key: str, value) -> str:
+    """`` ('stagger' is what ... : use linear)`` for another word of a choice of ``key``, else ``""``."""
+    meant = CHOICE_WORDS.get(key, {}).get(value) if isinstance(value, str) else None
+    return f" ({value!r} is what the run names call {key}={meant}: use {meant})" if meant else ""
+
+
 def switch_value(value):
     """A :data:`SWITCH` setting's value from what users and older config files write: ``True`` / ``"on"`` /
     ``"yes"`` / ``"1"`` -> ``"true"``, their opposites -> ``"false"``; anything else is returned as given (and
@@ -338,7 +349,9 @@ def _suggest(name: str, names, section: str) -> str:
     leaves = {}
     for key in reversed(all_keys()):                # leaf name -> its first key
         leaves[key.rsplit(".", 1)[-1]] = key
-    close = did_you_mean(leaves[name], [leaves[name]]) if name in leaves else did_you_mean(name, names)
+    own = difflib.get_close_matches(name, sorted(names), n=1)       # the full key, to paste back
+    close = did_you_mean(leaves[name], [leaves[name]]) if name in leaves else (
+        f"; did you mean {(f'{section}.' if section else '') + own[0]!r}?" if own else "")
     if not close:                                   # misspelt, and in the wrong section (or none)
         near = difflib.get_close_matches(name, sorted(leaves), n=1)
         close = did_you_mean(leaves[near[0]], [leaves[near[0]]]) if near else ""
@@ -414,7 +427,8 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
                 if kind is str and allowed:                       # a closed set: refused here, naming it
                     value = switch_value(value) if allowed == SWITCH else value
                     if value not in allowed:
-                        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {text!r}")
+                        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {text!r}"
+                                          f"{choice_hint(key, value)}")
                 if part == "sources":
                     if not all(isinstance(v, dict) for v in value):
                         raise ConfigError(f"{key} must be a JSON list of source mappings, got {text!r}; e.g. "

@@ -13,7 +13,7 @@ import typing
 
 from . import devices
 from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
-                     field_help, show_value, switch_value)
+                     choice_hint, field_help, show_value, switch_value)
 from .effective import check_honoured, given_by_file, given_by_set, recorded, unread   # noqa: F401 (callers')
 
 # ----------------------------------------------------------------------------- validation
@@ -72,7 +72,8 @@ def _choice(obj, section: str, name: str, allowed=None):
     """``allowed``: by default the field's own ``choices`` (config.setting), so they are written once."""
     allowed = allowed or field_help(type(obj), name)[1]
     v = getattr(obj, name)
-    _need(v in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {show_value(v)}")
+    _need(v in allowed, f"{section}.{name} must be one of {', '.join(allowed)}, got {show_value(v)}"
+                        f"{choice_hint(f'{section}.{name}', v)}")
 
 
 # ----------------------------------------------------------------------------- memory
