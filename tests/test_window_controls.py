@@ -88,9 +88,13 @@ def test_model_is_a_sliding_window_whatever_the_schedule_and_decodes_with_w_plus
 def test_config_refuses_a_learned_alpha_without_rungs():
     with pytest.raises(ConfigError, match="model.schedule=learned has nothing to learn with model.base=none"):
         FibLM(small(schedule="learned"))
+    from fibattn.config import RunConfig
+    from fibattn.effective import unread
     from fibattn.study.settings import _cell            # the report's settings table: no alpha without rungs
+    cfg = RunConfig()
+    cfg.model.base, cfg.model.window = "none", 8
     flat = {"model.attention": "sparse", "model.base": "none", "model.alpha": 1.0, "model.window": 8}
-    assert (_cell(flat, "model.alpha"), _cell(flat, "model.window")) == ("—", "8")
+    assert (_cell(flat, "model.alpha", unread(cfg)), _cell(flat, "model.window", unread(cfg))) == ("—", "8")
 
 
 def test_matched_window_spends_the_fib_models_columns():
