@@ -178,3 +178,14 @@ def test_a_runtime_override_a_run_does_not_read_is_refused(tmp_path):
     with pytest.raises(C.ConfigError, match=r"generate --set\) model.reach: model.reach has no effect with "
                                             r"model.attention='dense'"):
         load_run(tmp_path / "run", model_overrides=["model.reach=train"])
+
+
+def test_a_grid_extension_run_with_a_setting_it_does_not_read_is_refused(tmp_path):
+    from fibattn.checks import UsageError
+    from fibattn.study.grid import load_extension
+    ext = tmp_path / "ext.json"
+    ext.write_text(json.dumps([{"name": "w", "preset": "tiny", "overrides": ["model.base=none", "model.alpha=1.2"]}]))
+    with pytest.raises(UsageError, match=r"ext.json\[0\] \(w\): --set model.alpha: model.alpha has no effect"):
+        load_extension(ext)
+    ext.write_text(json.dumps([{"name": "w", "preset": "tiny", "overrides": ["model.base=none"]}]))
+    assert [r.name for r in load_extension(ext)] == ["w"]

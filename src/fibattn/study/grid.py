@@ -25,6 +25,7 @@ from pathlib import Path
 from .. import config as C
 from ..checks import UsageError, check_keys
 from ..config import ConfigError, RunConfig
+from ..effective import check_honoured, given_by_set
 from ..files import read_json
 from ..presets import PRESETS, get_preset
 from ..trainer.init_recipe import apply_recipe
@@ -325,7 +326,7 @@ def _entry(item, where: str) -> GridRun:
         raise UsageError(f"{where}.init_share must be a number in (0, 10], given with init_from; got {share!r}")
     run = GridRun(name, preset, tuple(overrides), seed, init_from, float(share))
     try:
-        run.config("runs")
+        check_honoured(run.config("runs"), given_by_set(overrides))     # the user's overrides: each one acts
     except ConfigError as exc:
         raise UsageError(f"{where} ({name}): {exc}") from None
     return run
