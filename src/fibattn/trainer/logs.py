@@ -39,6 +39,8 @@ def fmt_duration(seconds: float) -> str:
     s = int(round(seconds))
     h, rem = divmod(s, 3600)
     m, s = divmod(rem, 60)
+    if h >= 24:                               # days, as a long run on a slow device is read
+        return f"{h // 24}d{h % 24:02d}h"
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 

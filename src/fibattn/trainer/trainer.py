@@ -49,6 +49,7 @@ from .logs import MetricSinks, ProgressBar, progress_line
 from .micro_batch import resolve as resolve_micro_batch
 from .outcome import TrainingAborted, TrainResult, settle  # noqa: F401 (TrainingAborted: imported from here)
 from .optim import build_optimizer, lr_at, param_names, set_lr
+from .pace import Pace, estimate_lines
 from .throughput import announce, eval_line, mfu
 from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, compile_cache, compile_wanted,
                     document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, run_lock_path, seed_all,
@@ -238,6 +239,13 @@ class Trainer:
                     self.lock = lock_run(self.out)
         self.wrap()
         self.peak, self.flops = announce(self.cfg, self.model, dist)      # size, budget, lr plan, flops
+        warned = False
+        if dist.is_main:                    # what the run costs here, and a warning when that is days
+            lines, warned = estimate_lines(t.steps - self.step, self.flops * t.batch_tokens / dist.world_size,
+                                           dist.device, self.peak)
+            for line in lines:
+                (log.warning if "WARNING" in line else log.info)("%s", line)
+        self.pace = Pace(t.steps, t.log_every, dist.device, warned, self.compiled)
         sinks = None
         if dist.is_main:
             C.save(self.cfg, self.out / "config.json")              # only the settings that act
@@ -309,6 +317,8 @@ class Trainer:
                 shown_loss = result.losses[-1][1]
             eta = (total - self.step) * (win["time"] / max(win["steps"], 1))
             bar.update(self.step, shown_loss, eta)
+            for line in self.pace.after(self.step, win["time"] / max(win["steps"], 1), eta, log_now):
+                bar.println(line)               # a slow step's own line until the progress lines take over
             if log_now:
                 mean = win["loss"] / win["n"] if win["n"] else float("nan")
                 tok_s = win["steps"] * tokens_per_step / max(win["time"], 1e-9)
