@@ -27,6 +27,7 @@ from ..checks import UsageError
 from ..config import ConfigError, SourceConfig
 from ..files import TextFileError, parse_json, utf8_text
 from .corpus import corpus_texts
+from .hub import check_reachable, offline_hint
 from .selection import select_files, unreadable
 from .tokenizers import require
 
@@ -143,11 +144,12 @@ def _files_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]
 
 def _hf_documents(src: SourceConfig, where: str) -> Iterator[tuple[str, str]]:
     datasets = require("datasets", f"{where} (kind=hf)")
+    check_reachable(src.path, where)          # no network: one line now, not a minute of retries
     try:
         ds = datasets.load_dataset(src.path, src.subset or None, split=src.split, streaming=True)
     except Exception as exc:  # the hub raises many types; name the source and keep the cause
-        raise UsageError(f"{where}: cannot load Hugging Face dataset {src.path!r} "
-                         f"(subset={src.subset or None!r}, split={src.split!r}): {exc}") from exc
+        raise UsageError(f"{where}: cannot load Hugging Face dataset {src.path!r} (subset={src.subset or None!r}, "
+                         f"split={src.split!r}): {exc}{offline_hint(src.path)}") from exc
     for i, row in enumerate(ds):
         if src.text_field not in row:
             raise UsageError(f"{where}: row {i} of {src.path!r} has no text_field {src.text_field!r} "
