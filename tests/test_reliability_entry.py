@@ -234,3 +234,33 @@ def test_the_host_overhead_line_never_shows_a_negative_time(public, bare, direct
         assert "too noisy" in line and rec["too_noisy"] and rec["overhead_us"] is None and rec["fibattn_us"] is None
     else:
         assert all(rec[k] >= 0 for k in ("overhead_us", "autograd_us", "fibattn_us"))
+
+
+# ----------------------------------------------------------------------------- plots and exports (issue 60 item 8)
+def test_a_model_keeps_its_colour_in_every_panel_of_a_figure(tmp_path, monkeypatch):
+    """The perplexity figure's second panel leaves dense out: the other models must not change colour."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+    from fibattn import plots
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: (drawn.append((k["label"], k["color"])),
+                                                                              real(self, *a, **k))[1])
+    series = [plots.Series(name, [1, 2], [1.0, 2.0]) for name in ("dense", "fib fixed", "fib linear")]
+    plots.save_panels(tmp_path / "p.png", [plots.Panel("all", "x", "y", series),
+                                           plots.Panel("no dense", "x", "y", series[1:])])
+    by_label: dict = {}
+    for label, colour in drawn:
+        by_label.setdefault(label, set()).add(tuple(colour))
+    assert len(drawn) == 5 and all(len(c) == 1 for c in by_label.values())
+    assert len({next(iter(c)) for c in by_label.values()}) == 3
+
+
+def test_a_one_file_hf_export_prints_no_progress_bar_and_restores_the_setting():
+    transformers = pytest.importorskip("transformers")
+    from fibattn.interop.hf_export import _no_progress_bar
+    tl = transformers.utils.logging
+    tl.enable_progress_bar()
+    with _no_progress_bar(transformers):
+        assert not tl.is_progress_bar_enabled()
+    assert tl.is_progress_bar_enabled()

@@ -76,12 +76,20 @@ def require():
     return plt
 
 
-def _draw_line(ax, panel: Panel) -> None:
+def colours(panels: list[Panel]) -> dict:
+    """One colour per series label across all ``panels`` of a figure, so that a model keeps its colour in every
+    panel (one panel leaving a series out must not shift the others'); tab20 past 10 labels, where the default
+    cycle would repeat."""
     import matplotlib
-    many = len(panel.series) > 10          # the default cycle repeats after 10: every line its own colour
-    colors = matplotlib.colormaps["tab20"].colors if many else [None] * len(panel.series)
-    for s, c in zip(panel.series, colors):
-        ax.plot(list(s.x), list(s.y), label=s.label, marker=s.marker or None, linestyle=s.linestyle, color=c)
+    labels = list(dict.fromkeys(s.label for p in panels for s in p.series))
+    palette = matplotlib.colormaps["tab20" if len(labels) > 10 else "tab10"].colors
+    return {label: palette[i % len(palette)] for i, label in enumerate(labels)}
+
+
+def _draw_line(ax, panel: Panel, colour: dict) -> None:
+    for s in panel.series:
+        ax.plot(list(s.x), list(s.y), label=s.label, marker=s.marker or None, linestyle=s.linestyle,
+                color=colour.get(s.label))
     if panel.logx:
         ax.set_xscale("log", base=2)
     if panel.logy:
@@ -92,13 +100,13 @@ def _draw_line(ax, panel: Panel) -> None:
         ax.yaxis.set_minor_formatter(plain)
 
 
-def _draw_bar(ax, panel: Panel) -> None:
+def _draw_bar(ax, panel: Panel, colour: dict) -> None:
     n = max(1, len(panel.series))
     cats = list(panel.series[0].x) if panel.series else []
     width = 0.8 / n
     for i, s in enumerate(panel.series):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(cats))]
-        ax.bar(xs, list(s.y), width=width, label=s.label)
+        ax.bar(xs, list(s.y), width=width, label=s.label, color=colour.get(s.label))
     ax.set_xticks(range(len(cats)))
     ax.set_xticklabels([str(c) for c in cats])
 
@@ -110,11 +118,12 @@ def save_panels(path, panels: list[Panel], *, suptitle: str = "", panel_size=(5.
     plt = require()
     fig, axes = plt.subplots(1, len(panels), figsize=(panel_size[0] * len(panels), panel_size[1]), squeeze=False)
     try:
+        colour = colours(panels)
         for ax, panel in zip(axes[0], panels):
             if panel.kind == "bar":
-                _draw_bar(ax, panel)
+                _draw_bar(ax, panel, colour)
             elif panel.kind == "line":
-                _draw_line(ax, panel)
+                _draw_line(ax, panel, colour)
             else:
                 raise UsageError(f"panel kind must be line or bar, got {panel.kind!r}")
             if panel.hline is not None:

@@ -23,6 +23,7 @@ models are refused: their attention interpolates between distances, which the dr
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -107,7 +108,8 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
         apply_fibattn(llama, window=m.window, base=config_base(m), schedule="custom", alphas=model.alphas(),
                       reach_len=m.seq_len if m.reach == "train" else None)
     make_parents(out)                         # a new exports/ gets a .gitignore of "*"
-    llama.save_pretrained(out)
+    with _no_progress_bar(transformers):      # a bar over one shard file says nothing; the CLI says what it wrote
+        llama.save_pretrained(out)
     if sparse:
         _as_remote_code(out)
     if tokenizer is not None:
@@ -133,3 +135,16 @@ def _as_remote_code(out: Path) -> None:
         "AutoConfig": "configuration_fibattn_llama.FibattnLlamaConfig",
         "AutoModelForCausalLM": "modeling_fibattn_llama.FibattnLlamaForCausalLM"})
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _no_progress_bar(transformers):
+    """transformers' progress bars off for the block (as they were after)."""
+    tl = transformers.utils.logging
+    was = tl.is_progress_bar_enabled()
+    tl.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tl.enable_progress_bar()

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 from .. import plots
@@ -186,8 +187,10 @@ def distances(results, path) -> Path | None:
             ax.set_yticks(list(range(L)) + [L + 0.5])
             ax.set_yticklabels([str(i) for i in range(L)] + ["union"], fontsize=7)
             ax.set_ylim(-0.7, L + 1.6)
-            ax.set_title(f"{r.name}: {r.variant}, T={r.model.seq_len}; window 1..{r.window} (not drawn)\n"
-                         f"{len(union)} distinct distances (0..{max(union)})", fontsize=9)
+            # three short lines: a title wider than its panel is clipped at the figure's edge
+            ax.set_title("\n".join(textwrap.wrap(f"{r.name}: {r.variant}, T={r.model.seq_len}", 44)
+                                   + [f"window 1..{r.window} (not drawn)",
+                                      f"{len(union)} distinct distances (0..{max(union)})"]), fontsize=9)
             ax.set_xlabel("distance (log scale)")
             ax.set_ylabel("layer")
             ax.grid(True, axis="x", alpha=0.3)
