@@ -161,6 +161,8 @@ CASES = [
     ("config-key-full", ["config", *_set("model.windw=8")], "did you mean 'model.window'"),
     ("train-schedule-word", _tr(*_set("model.schedule=stagger")), "use linear"),
     ("train-device-typo", _tr("--device", "gpu"), "--device"),
+    ("train-seed-beyond-64-bits", _tr(*_set(f"train.seed={2 ** 64}")), "train.seed"),
+    ("probe-seed-huge", ["probe", "--out", "{O}", "--seed", str(2 ** 40)], "--seed"),
     ("train-device-twice", _tr("--device", "cpu", *_set("train.device=cpu")), "--device cpu and --set train.device"),
     ("no-command", [], "COMMAND"),
     ("unknown-command", ["frobnicate"], "frobnicate"),

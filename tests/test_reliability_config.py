@@ -299,9 +299,10 @@ def test_a_warmup_longer_than_the_run_is_refused_when_given_and_cut_to_the_run_w
 
 @pytest.mark.parametrize("argv,needles", [
     (["bench", "attention", "--lengths", "1000000000"], ["--lengths 1000000000", "GB", "at most"]),
-    (["bench", "attention", "--lengths", "64", "--forward-lengths", "100000000000"], ["--forward-lengths", "GB"]),
+    (["bench", "attention", "--lengths", "64", "--forward-lengths", "2000000000"], ["--forward-lengths", "GB"]),
     (["bench", "train", "--lengths", "100000000", "--steps", "5"], ["--tokens / --lengths", "GB"]),
-    (["bench", "train", "--lengths", "64", "--tokens", "10000000000", "--steps", "5"], ["--tokens / --lengths"]),
+    (["bench", "train", "--lengths", "64", "--tokens", "2000000000", "--steps", "5"], ["--tokens / --lengths"]),
+    (["bench", "train", "--lengths", "64", "--tokens", "10000000000"], ["--tokens", "<= 2147483647"]),   # parsed
 ])
 def test_bench_sizes_that_cannot_fit_are_refused_before_allocating(cwd, capsys, argv, needles):
     refused(capsys, argv, *needles)

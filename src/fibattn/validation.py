@@ -12,6 +12,7 @@ import os
 import typing
 
 from . import devices
+from .checks import SEED_MAX
 from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
                      choice_hint, field_help, show_value, switch_value)
 from .effective import check_honoured, given_by_file, given_by_set, recorded, unread   # noqa: F401 (callers')
@@ -229,8 +230,9 @@ def validate_train(t: TrainConfig) -> None:
     for name in ("steps", "batch_tokens", "log_every", "ckpt_every", "keep_ckpts",
                  "max_bad_steps", "eval_tokens", "context_parallel"):
         _int_at_least(t, s, name, 1)
-    for name in ("warmup_steps", "eval_every", "threads", "seed", "micro_batch"):     # micro_batch 0: auto
+    for name in ("warmup_steps", "eval_every", "threads", "micro_batch"):     # micro_batch 0: auto
         _int_at_least(t, s, name, 0)
+    _int_at_least(t, s, "seed", 0, SEED_MAX)        # what torch.manual_seed takes
     _num_in(t, s, "lr", 0, 10, lo_open=True)
     _num_in(t, s, "min_lr_ratio", 0, 1)
     _num_in(t, s, "weight_decay", 0, 10)

@@ -8,10 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..checks import SEED_MAX, UsageError, check_int, int_flag, parse_int_list
+from ..checks import UsageError, check_int, int_flag, parse_int_list
 from ..devices import resolve_device
 from ..files import check_creatable, check_overwritable
 from ..study import probe_extrapolate as PX
+from ..study.probe import MAX_SEED as PROBE_SEED_MAX
 from ..study.probe import ProbeConfig, preset, run_probe
 from ..study.probe_extrapolate_report import TITLE, run_extrapolate
 from ..threads import use_threads
@@ -31,7 +32,7 @@ def configure_parser(parser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per model")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    parser.add_argument("--seed", type=int_flag(0, SEED_MAX), default=None, help="seed (data and initial weights)")
+    parser.add_argument("--seed", type=int_flag(0, PROBE_SEED_MAX), default=None, help="seed (data and initial weights)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     parser.add_argument("--threads", type=int, default=0,
                         help="CPU threads for torch with --jobs 1 (0: the cores free now)")

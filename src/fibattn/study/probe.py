@@ -113,6 +113,9 @@ class ProbeConfig:
         return d
 
 
+MAX_SEED = 2 ** 32 - 1          # each model's torch seed is seed * 1009 + depth, within torch's 64 bits
+
+
 def check_training(cfg) -> None:
     """The settings every probe mode shares: ``steps``, ``batch_size``, ``eval_samples``, ``lr``, ``seed``."""
     for name in ("steps", "batch_size", "eval_samples"):
@@ -121,8 +124,8 @@ def check_training(cfg) -> None:
             raise UsageError(f"probe {name} must be an integer >= 1 ({_FLAG.get(name, name)}), got {v!r}")
     if not (isinstance(cfg.lr, (int, float)) and 0 < cfg.lr <= 1):
         raise UsageError(f"probe lr must be a number in (0, 1] (--lr), got {cfg.lr!r}")
-    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
-        raise UsageError(f"probe seed must be an integer >= 0 (--seed), got {cfg.seed!r}")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed <= MAX_SEED:
+        raise UsageError(f"probe seed must be an integer from 0 to {MAX_SEED} (--seed), got {cfg.seed!r}")
 
 
 def check_fits(cfg, seq_len: int, depth: int, vocab_size: int) -> None:
