@@ -264,3 +264,17 @@ def test_a_one_file_hf_export_prints_no_progress_bar_and_restores_the_setting():
     with _no_progress_bar(transformers):
         assert not tl.is_progress_bar_enabled()
     assert tl.is_progress_bar_enabled()
+
+
+def test_an_output_path_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """A plain argument in a working folder whose name is not UTF-8: the output's absolute path is what fibattn
+    records (config.json, the results database), so it is refused by the output check, naming the flag."""
+    odd = tmp_path / "w\udcff"
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    for argv, flag in ((["train", "--out", "run", "--set", "train.steps=1"], "--out (train.out_dir)"),
+                       (["prepare", "--files", str(tmp_path), "--out", "d"], "--out"),
+                       (["export", str(tmp_path / "none"), "e"], "OUT")):
+        line = one_line(capsys, argv)
+        assert flag in line and "w\\xff" in line and "not UTF-8" in line, line
+    assert list(odd.iterdir()) == []

@@ -13,37 +13,10 @@ import sys
 
 import torch
 
-from .checks import UsageError
+from .checks import UsageError, shown, utf8_problem
 from .files import os_error_line
 
 ENV_PREFIX = "FIBATTN_"
-
-
-def utf8_problem(text: str) -> str | None:
-    """Where ``text`` stops being UTF-8 (``"\\xff at character 1"``), or None when it encodes."""
-    try:
-        text.encode("utf-8")
-        return None
-    except UnicodeEncodeError as exc:
-        return f"{shown(exc.object[exc.start:exc.end])} at character {exc.start}"
-
-
-def shown(text) -> str:
-    """``text`` printable anywhere: a byte that was not UTF-8 (a lone surrogate U+DC80..U+DCFF, as Python
-    decodes it) written as ``\\xNN``, any other lone surrogate as ``\\uNNNN``."""
-    text = str(text)
-    if utf8_ok(text):
-        return text
-    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else
-                   f"\\u{ord(c):04x}" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
-
-
-def utf8_ok(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def check_text(argv, environ=None) -> None:

@@ -11,7 +11,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .checks import ConfigError, UsageError
+from .checks import ConfigError, UsageError, shown, utf8_problem
 
 
 def _umask() -> int:
@@ -89,6 +89,10 @@ def check_creatable(path, setting: str, kind: str = "folder") -> Path:
     created: nothing on its way is a regular file, and the nearest existing folder is writable.
     A :class:`PathError` naming ``setting`` otherwise."""
     p = Path(path).expanduser()
+    bad = utf8_problem(str(p.absolute()))        # the path is recorded as text (config.json, the results DB)
+    if bad is not None:
+        raise PathError(f"{setting} {shown(p.absolute())} holds bytes that are not UTF-8 ({bad}); fibattn records "
+                        f"its output paths as UTF-8 text: choose a folder whose path is UTF-8")
     if p.exists() and (p.is_dir() != (kind == "folder")):
         raise PathError(f"{setting} {p} exists and is not a {kind}; choose another {setting}")
     parent = p if kind == "folder" else p.parent
