@@ -96,7 +96,8 @@ def _tool():
     (["--budget", "inf"], "--budget"), (["--budget", "1e30"], "--budget"), (["--budget", "5", "--quick"], "--budget"),
     (["--only", "nothing", "--quick"], "--only"), (["--only", ",", "--quick"], "--only"),
     (["--quick", "--out", "{F}/sub"], "--out"), (["--quick", "--out", "{F}"], "--out"),
-    ([], "no CUDA device here"),
+    ([], "no CUDA device here"), (["--quick", "--bud", "100"], "unrecognized arguments: --bud"),
+    (["--quick", "--budget", "soon"], "--budget"),
 ])
 def test_the_gpu_check_refuses_up_front_in_one_line(tmp_path, capsys, monkeypatch, argv, needle):
     """Without CUDA (unless --quick), with a budget no step fits in, an unknown step or an output folder it cannot

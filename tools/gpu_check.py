@@ -397,6 +397,13 @@ def environment() -> dict:
 MIN_BUDGET, MAX_BUDGET = 60.0, 86400.0     # seconds: below a minute every step would be skipped
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+
+
 def refusal(args, steps: dict) -> str | None:
     """Why the check cannot run as asked (one line), or None: checked before anything is written."""
     import math
@@ -442,16 +449,24 @@ def prepare_out(path: str) -> tuple[Path | None, str | None]:
     return out, None
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):            # one line, as every refusal here, exit 2
+        self.exit(2, f"gpu_check: error: {message} (see tools/gpu_check.py --help)\n")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = _Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
-    p.add_argument("--budget", type=float, default=470.0,
+    p.add_argument("--budget", type=_number, default=470.0,
                    help=f"seconds for the whole check ({MIN_BUDGET:g} to {MAX_BUDGET:g}, default 470)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a plumbing check (also on a CPU; goals not judged)")
     p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,train_bench,training,"
                                                 "generate,cpu,sweep,static)")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:            # --help (0) or a bad argument (2, its line printed)
+        return exc.code if isinstance(exc.code, int) else 2
     steps = {"tests": tests, "attention": attention, "train_bench": train_bench, "training": training,
              "generate": generate, "cpu": cpu, "sweep": sweep, "static": static}
     why = refusal(args, steps)
