@@ -47,8 +47,8 @@ def test_a_count_given_is_used_and_the_default_is_logged_once(monkeypatch, caplo
     said = [r.getMessage() for r in caplog.records if "auto ->" in r.getMessage()]
     assert said == ["fibattn: train.threads auto -> 1 CPU thread (1 of 2 cores free; torch's default "
                     f"{threads.TORCH_DEFAULT}; train.threads=N chooses)"]
-    for bad in (-1, 1.5, True, "2"):
-        with pytest.raises(UsageError, match="train.threads must be an integer >= 0"):
+    for bad in (-1, 1.5, True, "2", threads.MAX_THREADS + 1):
+        with pytest.raises(UsageError, match=f"train.threads must be an integer from 0 to {threads.MAX_THREADS}"):
             threads.use_threads(bad, "train.threads")
 
 

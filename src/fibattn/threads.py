@@ -18,6 +18,7 @@ from .checks import UsageError
 
 log = logging.getLogger("fibattn")
 TORCH_DEFAULT = torch.get_num_threads()      # before anything here changes it
+MAX_THREADS = 1024                           # torch takes any count and would start that many threads
 _told: set = set()
 
 
@@ -59,8 +60,9 @@ def default_threads(processes: int = 1, *, usable: int | None = None, busy: floa
 def use_threads(requested: int = 0, setting: str = "--threads", processes: int = 1, tell: bool = True) -> int:
     """Set torch's CPU threads: ``requested`` when > 0, else :func:`default_threads` (logged once per process
     and count where ``tell``); returns the count set."""
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-        raise UsageError(f"{setting} must be an integer >= 0 (0: the free cores), got {requested!r}")
+    if isinstance(requested, bool) or not isinstance(requested, int) or not 0 <= requested <= MAX_THREADS:
+        raise UsageError(f"{setting} must be an integer from 0 to {MAX_THREADS} (0: the free cores), got "
+                         f"{requested!r}")
     if requested:
         torch.set_num_threads(requested)
         return requested

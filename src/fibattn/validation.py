@@ -16,6 +16,7 @@ from .checks import SEED_MAX
 from .config import (ConfigError, DataConfig, EvalConfig, ModelConfig, RunConfig, SourceConfig, TrainConfig,
                      choice_hint, field_help, show_value, switch_value)
 from .effective import check_honoured, given_by_file, given_by_set, recorded, unread   # noqa: F401 (callers')
+from .threads import MAX_THREADS
 
 # ----------------------------------------------------------------------------- validation
 def _need(ok: bool, msg: str):
@@ -230,8 +231,9 @@ def validate_train(t: TrainConfig) -> None:
     for name in ("steps", "batch_tokens", "log_every", "ckpt_every", "keep_ckpts",
                  "max_bad_steps", "eval_tokens", "context_parallel"):
         _int_at_least(t, s, name, 1)
-    for name in ("warmup_steps", "eval_every", "threads", "micro_batch"):     # micro_batch 0: auto
+    for name in ("warmup_steps", "eval_every", "micro_batch"):     # micro_batch 0: auto
         _int_at_least(t, s, name, 0)
+    _int_at_least(t, s, "threads", 0, MAX_THREADS)   # 0: the free cores (fibattn.threads)
     _int_at_least(t, s, "seed", 0, SEED_MAX)        # what torch.manual_seed takes
     _num_in(t, s, "lr", 0, 10, lo_open=True)
     _num_in(t, s, "min_lr_ratio", 0, 1)

@@ -48,17 +48,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="skip the mask path when its estimated memory (~17 bytes x T^2) exceeds this")
 
 
-def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device) -> None:
+def _check_fits(lengths, forward, batch, heads, kv, head_dim, dtype, device, memory_check=None) -> None:
     """Refuse lengths whose inputs, outputs and gradients alone exceed the device's memory (a lower bound)."""
     item = _DTYPES[dtype].itemsize
     sizes = f"--batch {batch}, --heads {heads}, --kv-heads {kv}, --head-dim {head_dim}, {dtype}"
     # each size alone first (the others at 1), so that the flag blamed is the one too large by itself
     for flag, value in (("--batch", batch), ("--heads", heads), ("--kv-heads", kv), ("--head-dim", head_dim),
-                        ("--lengths", max(lengths, default=1)), ("--forward-lengths", max(forward, default=1))):
+                        ("--lengths", max(lengths, default=1)), ("--forward-lengths", max(forward, default=1)),
+                        ("--memory-check", memory_check or 1)):
         check_sizes_fit(flag, [value], lambda n: 2 * 2 * n * item, f"q, k, v and the output with every other "
                         f"size at 1 ({dtype})", device)
     for flag, values, copies, what in (("--lengths", lengths, 4, "q, k, v and the output with their gradients"),
-                                       ("--forward-lengths", forward, 2, "q, k, v and the output")):
+                                       ("--forward-lengths", forward, 2, "q, k, v and the output"),
+                                       ("--memory-check", [memory_check] if memory_check else [], 4,
+                                        "q, k, v and the output with their gradients")):
         check_sizes_fit(flag, values, lambda T, c=copies: c * batch * T * (heads + kv) * head_dim * item,
                         f"{what} ({sizes})", device)
 
@@ -119,7 +122,7 @@ def _rest(args, device: str, cuda: bool, lengths, forward, paths, documents) -> 
         raise ConfigError(f"--mask-budget-gb must be > 0, got {args.mask_budget_gb}")
     pattern = _pattern(args)
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, device)
+    _check_fits(lengths, forward, batch, args.heads, kv, args.head_dim, dtype, device, args.memory_check)
     return BenchConfig(lengths=lengths, repeats=args.repeats, heads=args.heads, kv_heads=kv,
                        head_dim=args.head_dim, device=device, mask_budget_gb=args.mask_budget_gb,
                        memory=not args.no_memory, memory_check=args.memory_check, batch=batch, dtype=dtype,

@@ -47,6 +47,7 @@ from ..generation.sampling import Sampling
 from ..generation.static import DECODE_MODES, StaticStep, resolve_decode
 from ..model.lm import FibLM
 from ..presets import get_preset
+from ..threads import MAX_THREADS
 from ..validation import check_sizes_fit, estimate_params
 
 VARIANTS = ("dense", "static", "learned")
@@ -130,8 +131,9 @@ def thread_candidates(spec, device="cpu") -> list[int]:
                               f"got {spec!r}") from None
     elif isinstance(spec, int):
         spec = [spec]
-    if not spec or any(t < 0 for t in spec):
-        raise ConfigError(f"--decode-threads must be a comma-separated list of integers >= 0, got {spec!r}")
+    if not spec or any(not 0 <= t <= MAX_THREADS for t in spec):
+        raise ConfigError(f"--decode-threads must be a comma-separated list of integers from 0 to {MAX_THREADS}, "
+                          f"got {spec!r}")
     return sorted({t or now for t in spec})
 
 
@@ -366,8 +368,8 @@ def run(args) -> int:
     for name in ("steps", "reps", "prefill_layers", "prefill_reps", "batch"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(args, name)}")
-    if args.threads < 0:
-        raise ConfigError(f"--threads must be an integer >= 0, got {args.threads}")
+    if not 0 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be an integer from 0 to {MAX_THREADS}, got {args.threads}")
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.decode = resolve_decode(args.decode, torch.device(args.device))
     for shape in shapes:

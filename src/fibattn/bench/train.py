@@ -44,7 +44,7 @@ from ..devices import resolve_device
 from ..model.head_loss import logit_rows
 from ..model.lm import FibLM
 from ..presets import get_preset
-from ..threads import TORCH_DEFAULT, use_threads
+from ..threads import MAX_THREADS, TORCH_DEFAULT, use_threads
 from ..trainer.setup import loss_head_for
 from ..trainer.throughput import flops_per_token, peak_flops
 from ..validation import check_training_fits
@@ -59,7 +59,6 @@ MEMORY = ("the weights, optimizer moments and batch a step starts with plus the 
           "once (CPU: PyTorch's allocator through the profiler; CUDA: max_memory_allocated)")
 MIN_STEPS = 5
 SPREAD = "min-max"           # what the *_min / *_max fields and the table's range are
-MAX_THREADS = 4096
 
 
 def check_steps(steps: int) -> int:
