@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from ..checks import check_int, check_positive, parse_int_list
+from ..checks import check_int, check_positive, float_flag, parse_int_list
 from ..devices import resolve_device
 from ..validation import ConfigError, check_sizes_fit
 from .attention_paths import _DTYPES, CUDA_LENGTHS, DEFAULT_PATHS, DOC_PATHS, PATHS, BenchConfig, check_documents
@@ -28,7 +28,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="head size Dh (default 64)")
     p.add_argument("--window", type=int, default=12, help="dense window W (default 12)")
     p.add_argument("--fib-k", type=int, default=15, help="Fibonacci rungs K (default 15)")
-    p.add_argument("--alpha", type=float, default=1.5,
+    p.add_argument("--alpha", type=float_flag(1e-6, 1e6), default=1.5,       # float32 keeps it non-zero
                    help="alpha of both fused ops: integer distances round(alpha f_k), the interpolated op's "
                         "start (default 1.5)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
