@@ -78,9 +78,10 @@ def _trace(kind: str) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind, kernels", [("integer", ["fwd_kernel"]),
-                                           ("interpolated", ["plan_kernel", "fwd_kernel"]),
-                                           ("backward", ["plan_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"])])
+@pytest.mark.parametrize("kind, kernels", [("integer", ["flags_kernel", "fwd_kernel"]),
+                                           ("interpolated", ["plan_kernel", "flags_kernel", "fwd_kernel"]),
+                                           ("backward", ["plan_kernel", "flags_kernel", "bwd_dq_kernel",
+                                                         "bwd_dkdv_kernel"])])
 def test_a_compiled_cuda_call_launches_the_kernels_itself_and_reads_nothing_back(kind, kernels):
     (graph,) = _trace(kind)
     assert graph["kernels"] == kernels

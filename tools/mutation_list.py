@@ -44,6 +44,7 @@ LM_EVAL_T = "tests/test_lm_eval_adapter.py"
 RUN_FOLDER = "src/fibattn/eval/run_folder.py"
 EVAL_T = "tests/test_evaluate.py"
 FAST = "tests/test_fast_variants.py"
+ROPS = "tests/test_reliability_ops.py"
 
 MUTATIONS = [
     # ---------------------------------------------------------------- the attended set (method.md §1, §3)
@@ -415,8 +416,44 @@ MUTATIONS = [
              "    first[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]\n",
              "    first[:, :-1] = document_ids[:, 1:] != document_ids[:, :-1]\n", (DOCS, "-k", "converters")),
     Mutation("doc-reference-excludes-start", "document bounds", OPS + "reference.py",
-             "mask = mask & (rel <= off[:, None, :, None])", "mask = mask & (rel < off[:, None, :, None])",
-             (DOCS, "-k", "packed_row and reference")),
+             "else off[:, None, :].long()     # position in the document",
+             "else off[:, None, :].long() - 1", (DOCS, "-k", "packed_row and reference")),
+    # ---------------------------------------------------------------- hostile inputs (issue 58, kinds 1-5)
+    Mutation("nan-reference-rows-multiplied", "non-finite isolation", OPS + "reference.py",
+             "    vc = torch.where(valid, torch.stack(values, dim=-2), 0.0)\n",
+             "    vc = torch.stack(values, dim=-2)\n", (ROPS, "-k", "non_finite and reference")),
+    Mutation("nan-reference-taps-mixed-unclean", "non-finite isolation", OPS + "reference.py",
+             "lo_tap, hi_tap = (torch.where(here, _rows(x, d, off), 0.0) for d in (lo, lo + 1))",
+             "lo_tap, hi_tap = (_rows(x, d, off) for d in (lo, lo + 1))",
+             (ROPS, "-k", "clamped_reads and reference")),
+    Mutation("nan-torch-not-cleaned", "non-finite isolation", OPS + "torch_backend.py",
+             "    return torch.where(fin, x, 0), ~fin.all(-1)\n", "    return x, ~fin.all(-1)\n",
+             (ROPS, "-k", "non_finite and torch")),
+    Mutation("nan-torch-readers-not-poisoned", "non-finite isolation", OPS + "torch_backend.py",
+             "    dk, dv = dk.masked_fill(hit, float(\"nan\")), dv.masked_fill(hit, float(\"nan\"))\n",
+             "    dk, dv = dk, dv.masked_fill(hit, float(\"nan\"))\n", (ROPS, "-k", "non_finite and torch")),
+    Mutation("nan-triton-values-unmasked", "non-finite isolation", TK,
+             "        v = _rows(vb, kr * svt, offs_d, kok & ~vbad, in_d)\n",
+             "        v = _rows(vb, kr * svt, offs_d, kok, in_d)\n", (ROPS, "-k", "non_finite and triton")),
+    Mutation("nan-triton-unfinished-rows-kept", "non-finite isolation", OPS + "triton_tiles.py",
+             "    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok & ~off, in_d)\n",
+             "    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)\n",
+             (ROPS, "-k", "non_finite and triton")),
+    Mutation("nan-flex-readers-not-poisoned", "non-finite isolation", OPS + "flex_backend.py",
+             "        out[..., d:] |= hit\n", "        out[..., d + 1:] |= hit[..., :-1]\n",
+             (ROPS, "-k", "flex")),
+    Mutation("ids-split-check-any-row", "validation under compile", OPS + "documents.py",
+             "        torch._assert_async(ok.all(), ", "        torch._assert_async(ok.any(), ",
+             (ROPS, "-k", "split_document")),
+    Mutation("window-not-capped", "size from an argument", OPS + "__init__.py",
+             "    window = min(check_int(\"window\", window, 0), max(T - 1, 0))\n",
+             "    window = check_int(\"window\", window, 0)\n", (ROPS, "-k", "window_far_beyond")),
+    Mutation("distances-past-t-kept", "size from an argument", OPS + "__init__.py",
+             "    return sorted(d for d in out if d < max(T, 1))\n", "    return sorted(out)\n",
+             (ROPS, "-k", "any_size")),
+    Mutation("alpha-text-taken", "edge input", "src/fibattn/checks.py",
+             "    if isinstance(value, (bool, str, bytes)):\n", "    if isinstance(value, bool):\n",
+             (ROPS, "-k", "bad_scalars")),
     # ---------------------------------------------------------------- context parallelism (method.md §9)
     Mutation("halo-interval-short", "halo", "src/fibattn/parallel/halo.py",
              "min(start, start - d + chunk))", "min(start, start - d + chunk - 1))",

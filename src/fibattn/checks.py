@@ -40,11 +40,13 @@ def parse_int(name: str, value, minimum: int) -> int:
 
 
 def check_positive(name: str, value) -> float:
-    """A finite number ``> 0``."""
+    """A finite number ``> 0`` (Python or NumPy; never a bool or text, which ``float`` would take)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise UsageError(f"{name} must be a positive number, got {value!r}")
     try:
         value = float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} must be a positive number, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError(f"{name} must be a finite number > 0, got {_short(value)}") from None
     if not math.isfinite(value) or value <= 0:
         raise UsageError(f"{name} must be a finite number > 0, got {value}")
     return value

@@ -11,13 +11,14 @@ given and smaller. ``round`` is Python's round-half-to-even.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 import torch
 from torch import nn
 
-from .checks import UsageError, check_int, check_positive
+from .checks import UsageError, check_int, check_positive, parse_int
 
 SCHEDULES = ("fixed", "linear", "coprime", "learned", "custom")
 BASE_KINDS = ("fib", "pow2", "custom", "none")   # none: the window alone (the window-only controls)
@@ -43,14 +44,18 @@ def pow2_base(limit: int) -> list[int]:
     return out
 
 
+BASE_MAX = 2 ** 63 - 1      # alpha * b is taken in float64, as Python does; a value past this is nothing it can hold
+FIB_K_MAX = 91              # fib_base(91)[-1] <= BASE_MAX < fib_base(92)[-1]
+
+
 def check_custom_base(values: Sequence[int]) -> list[int]:
     vals = list(values)
     if not vals:
         raise UsageError("base must hold at least one positive integer, got an empty list")
     for v in vals:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise UsageError(f"base values must be positive integers (>= 1), got {v!r}")
-    return vals
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 1 <= v <= BASE_MAX:
+            raise UsageError(f"base values must be integers from 1 to 2**63 - 1, got {v!r}")
+    return [int(v) for v in vals]
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,9 @@ class Base:
         if self.kind not in BASE_KINDS:
             raise UsageError(f"base kind must be one of {BASE_KINDS}, got {self.kind!r}")
         if self.kind == "fib":
-            check_int("base k", self.k, 1)
+            if check_int("base k", self.k, 1) > FIB_K_MAX:
+                raise UsageError(f"base k must be at most {FIB_K_MAX} (Fibonacci number {FIB_K_MAX + 1} is past "
+                                 f"2**63 - 1), got {self.k}")
         if self.kind == "custom":
             object.__setattr__(self, "values", tuple(check_custom_base(self.values)))
 
@@ -90,11 +97,11 @@ def as_base(base: BaseLike) -> Base:
     if isinstance(base, str):
         kind, _, arg = base.partition(":")
         if kind == "fib":
-            return Base("fib", k=int(arg) if arg else 15)
+            return Base("fib", k=parse_int("base k (in 'fib:K')", arg, 1) if arg else 15)
         if kind in ("pow2", "none") and not arg:
             return Base(kind)
         raise UsageError(f"base must be 'fib', 'fib:K', 'pow2', 'none' or a list of positive integers, got {base!r}")
-    if isinstance(base, torch.Tensor):
+    if isinstance(base, torch.Tensor) or type(base).__module__ == "numpy":      # a tensor or an array of values
         base = base.tolist()
     return Base("custom", values=tuple(check_custom_base(base)))
 

@@ -128,11 +128,16 @@ class FibLM(nn.Module):
             raise UsageError(f"idx must hold integer token ids, got {idx.dtype}")
         if idx.shape[1] > self.cfg.max_seq_len:
             raise UsageError(f"sequence length {idx.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        if idx.device.type == "cpu" and idx.numel() and not torch.compiler.is_compiling():
+        if not idx.numel():
+            return
+        if idx.device.type == "cpu" and not torch.compiler.is_compiling():
             lo, hi = int(idx.min()), int(idx.max())
             if lo < 0 or hi >= self.cfg.vocab_size:
                 raise UsageError(f"token ids must lie in [0, model.vocab_size={self.cfg.vocab_size}), "
                                  f"got values in [{lo}, {hi}]")
+        else:              # on the device without a read back (and in a compiled graph): fails at the next sync
+            torch._assert_async(((idx >= 0) & (idx < self.cfg.vocab_size)).all(),
+                                f"token ids must lie in [0, model.vocab_size={self.cfg.vocab_size})")
 
     def hidden(self, idx: torch.Tensor, offset: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final normalised hidden states ``(B, T, C)``; ``document_ids`` ``(B, T)``: packed documents

@@ -20,20 +20,24 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+from collections.abc import Iterable
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from ..checks import UsageError
+from ..checks import UsageError, check_int, check_positive
 from ..schedules import Base, BaseLike, as_base, interpolation_plan
 from . import custom_ops, eager, triton_ops
 from .backends import BACKENDS, backend_available, resolve_backend
 from .columns import ColumnSpec
-from .documents import (document_ids_from_cu_seqlens, document_ids_from_eos, document_ids_from_position_ids,
-                        document_offsets)
+from .documents import (check_document_ids, document_ids_from_cu_seqlens, document_ids_from_eos,
+                        document_ids_from_position_ids, document_offsets)
 
 __all__ = ["BACKENDS", "backend_available", "resolve_backend", "sparse_attention", "interpolated_sparse_attention",
-           "document_ids_from_cu_seqlens", "document_ids_from_eos", "document_ids_from_position_ids"]
+           "check_document_ids", "document_ids_from_cu_seqlens", "document_ids_from_eos",
+           "document_ids_from_position_ids"]
 
 
 def _check_qkv(q, k, v):
@@ -57,26 +61,30 @@ def _check_qkv(q, k, v):
         raise UsageError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def _check_distances(distances) -> list[int]:
+def _check_distances(distances, T: int) -> list[int]:
+    """The distances as a sorted list without repeats, those ``>= T`` dropped (never valid: whatever their size,
+    nothing is allocated for them)."""
     if type(distances) in (list, tuple) and not torch.compiler.is_compiling():   # a model passes one list per
         # layer on every call: checked once (the compiler traces the plain function; it warns about lru_cache)
         key = tuple(distances)
         if all(type(d) is int for d in key):   # (bools and other int-likes take the checks below every time)
-            return _checked_distances(key)
-    return _distance_list(distances)
+            return _checked_distances(key, T)
+    return _distance_list(distances, T)
 
 
-def _distance_list(distances) -> list[int]:
-    if isinstance(distances, torch.Tensor):
+def _distance_list(distances, T: int) -> list[int]:
+    if isinstance(distances, (torch.Tensor, np.ndarray)):
         distances = distances.tolist()
+    if isinstance(distances, (str, bytes)) or not isinstance(distances, Iterable):
+        raise UsageError(f"distances must be a list of integers >= 0 containing 0, got {type(distances).__name__}")
     out = set()
     for d in distances:
-        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral) or d < 0:
             raise UsageError(f"distances must be integers >= 0, got {d!r}")
-        out.add(d)
+        out.add(int(d))
     if 0 not in out:
         raise UsageError("distances must contain 0 so that every query attends to at least itself")
-    return sorted(out)
+    return sorted(d for d in out if d < max(T, 1))
 
 
 _checked_distances = functools.lru_cache(maxsize=1024)(_distance_list)     # ~8 µs a call otherwise
@@ -85,20 +93,24 @@ _checked_distances = functools.lru_cache(maxsize=1024)(_distance_list)     # ~8 
 def _scale(scale, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    scale = float(scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise UsageError(f"scale must be a finite number > 0, got {scale}")
-    return scale
+    return check_positive("scale", scale)
 
 
 def _check_alpha(alpha) -> float:
-    try:
-        value = float(alpha.detach() if isinstance(alpha, torch.Tensor) else alpha)
-    except (TypeError, ValueError):
-        raise UsageError(f"alpha must be a positive number or a 0-d tensor, got {alpha!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise UsageError(f"alpha must be a finite number > 0, got {value}")
-    return value
+    if isinstance(alpha, torch.Tensor):
+        if not alpha.is_floating_point():
+            raise UsageError(f"alpha must be a float or a 0-d floating-point tensor, got a {alpha.dtype} tensor")
+        return check_positive("alpha", alpha.detach())
+    if isinstance(alpha, np.ndarray) and alpha.ndim == 0:
+        alpha = alpha.item()
+    return check_positive("alpha", alpha)
+
+
+def _check_window_reach(window, reach, T: int) -> tuple[int, int | None]:
+    """``window`` and ``reach`` as Python ints (NumPy's too), the window capped at ``T - 1``: a wider one
+    attends the same columns, and no size may be taken from it (its columns are allocated)."""
+    window = min(check_int("window", window, 0), max(T - 1, 0))
+    return window, (None if reach is None else check_int("reach", reach, 1))
 
 
 def _base_values(window, base: BaseLike, T: int, reach) -> tuple[int, ...]:
@@ -110,8 +122,9 @@ def _base_values(window, base: BaseLike, T: int, reach) -> tuple[int, ...]:
 _cached_base_values = functools.lru_cache(maxsize=256, typed=True)(_base_values)   # ~20 µs a call otherwise
 
 
-def _empty_like(q):
-    return q.new_zeros(q.shape) + 0 * q.sum()
+def _empty_like(q, k, v):
+    """An output with nothing to attend over, in the graph of every input (their gradients exist: zeros)."""
+    return q.new_zeros(q.shape) + 0 * (q.sum() + k.sum() + v.sum())
 
 
 def _reference():
@@ -130,13 +143,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
     query ``i``'s document.
     """
     _check_qkv(q, k, v)
-    dists = _check_distances(distances)
+    T = q.shape[2]
+    dists = _check_distances(distances, T)
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device)
-    T = q.shape[2]
     off = None if document_ids is None else document_offsets(document_ids, q.shape[0], T, q.device)
-    if T == 0:
-        return _empty_like(q)
+    if q.numel() == 0:           # no rows (B, H or T is 0) or Dh = 0: nothing to attend over
+        return _empty_like(q, k, v)
     if name == "reference":
         return _reference().sparse_attention(q, k, v, dists, scale, off)
     if name == "flex":
@@ -168,18 +181,22 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if alpha.dim() != 0:
         raise UsageError(f"alpha must be a float or a 0-d tensor, got shape {tuple(alpha.shape)}")
     if alpha.device.type == "cpu" and not torch.compiler.is_compiling():
-        _check_alpha(alpha)        # free on the host; a CUDA alpha is never read back (no sync)
+        _check_alpha(alpha)        # free on the host; a CUDA alpha is never read back (no sync): checked there
+    else:                          # on the device (and by a compiled graph), failing at the next sync
+        a = alpha.detach()
+        torch._assert_async((a > 0) & a.isfinite(), "alpha must be a finite number > 0")
     scale = _scale(scale, q.shape[-1])
     name = resolve_backend(backend, q.device, interpolated=True)
     T = q.shape[2]
+    window, reach = _check_window_reach(window, reach, T)
     off = None if document_ids is None else document_offsets(document_ids, q.shape[0], T, q.device)
     # a name or a Base is hashable and immutable (a list or tensor of values is neither); the
     # compiler traces the plain function (T may be symbolic, and it warns about lru_cache)
     cached = isinstance(base, (str, Base)) and isinstance(window, int) and isinstance(reach, (int, type(None))) \
         and not torch.compiler.is_compiling()
     values = (_cached_base_values if cached else _base_values)(window, base, T, reach)
-    if T == 0:
-        return _empty_like(q) + 0 * alpha.to(q.dtype)
+    if q.numel() == 0:
+        return _empty_like(q, k, v) + 0 * alpha.to(q.dtype)
     if name == "reference":
         plan = interpolation_plan(window, float(alpha.detach()), base, T, reach=reach)
         out = _reference().interpolated_sparse_attention(q, k, v, alpha, plan, scale, off)

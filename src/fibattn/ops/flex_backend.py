@@ -16,6 +16,7 @@ import torch
 
 from ..checks import BackendUnavailable
 from .backends import FLEX_NO_CPU_BACKWARD
+from .torch_backend import clean_rows
 
 name = "flex"
 _MASK_CACHE = 16
@@ -79,11 +80,29 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dists: l
         raise BackendUnavailable(FLEX_NO_CPU_BACKWARD)
     used = tuple(d for d in dists if d < T)
     mask = _block_mask(used, T, str(q.device)) if document_ids is None else _document_mask(used, document_ids)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # FlexAttention weights a masked key inside a partly masked block by 0, which a NaN survives: the keys and
+    # values go in cleaned, and the queries that do attend a non-finite row get NaN (_poisoned)
+    (k, kbad), (v, vbad) = (clean_rows(x.contiguous()) for x in (k, v))
+    q = q.contiguous()
     gqa = k.shape[1] != q.shape[1]
     if not on_cpu:
-        return _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    flex_attention, _ = _api()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        out = _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    else:
+        flex_attention, _ = _api()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    bad = _poisoned(kbad | vbad, used, document_ids).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return out.masked_fill(bad[..., None], float("nan"))
+
+
+def _poisoned(bad: torch.Tensor, dists: tuple[int, ...], document_ids) -> torch.Tensor:
+    """``(B, Hkv, T)``: the queries that attend a row marked in ``bad`` (one shifted slice per distance)."""
+    T = bad.shape[-1]
+    out = torch.zeros_like(bad)
+    for d in dists:
+        hit = bad[..., :T - d]
+        if document_ids is not None:
+            hit = hit & (document_ids[:, None, d:] == document_ids[:, None, :T - d])
+        out[..., d:] |= hit
+    return out

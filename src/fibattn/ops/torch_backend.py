@@ -71,22 +71,26 @@ def wsum_t(p: torch.Tensor, x: torch.Tensor, dists: list[int], group: int) -> to
 def _mixing(cols, T: int, dtype, device):
     """Integer distances whose raw scores the columns need, and the ``(C, E)`` weights
     (``wlo`` on ``lo``, ``whi`` on ``lo + 1``) turning raw scores into column scores; plus the
-    ``(C, E)`` matrix of ``x[lo + 1] - x[lo]`` for the gradient of ``frac``."""
+    ``(C, E)`` matrix of ``x[lo + 1] - x[lo]`` for the gradient of ``frac``, and which entries each column
+    reads (``(C, E)`` bool, whatever the weights: a tap of weight 0 is still read)."""
     live = [c for c, lo in enumerate(cols.lo) if lo < T]
     entries = sorted({cols.lo[c] for c in live} | {cols.lo[c] + 1 for c in live if cols.two[c]})
     where = {e: j for j, e in enumerate(entries)}
     mix = torch.zeros(len(cols.lo), len(entries), dtype=torch.float64)
     diff = torch.zeros_like(mix)
+    reads = torch.zeros(mix.shape, dtype=torch.bool)
     for c in live:
         lo = cols.lo[c]
+        reads[c, where[lo]] = True
         if cols.two[c]:
             mix[c, where[lo]] += cols.wlo[c]
             mix[c, where[lo + 1]] += cols.whi[c]
             diff[c, where[lo]] -= 1
             diff[c, where[lo + 1]] += 1
+            reads[c, where[lo + 1]] = True
         else:
             mix[c, where[lo]] += 1
-    return entries, mix.to(device=device, dtype=dtype), diff.to(device=device, dtype=dtype)
+    return entries, mix.to(device=device, dtype=dtype), diff.to(device=device, dtype=dtype), reads.to(device)
 
 
 class _Documents:
@@ -124,29 +128,59 @@ class _Documents:
 
 def _setup(q, k, cols, prims, off):
     group, T = q.shape[1] // k.shape[1], q.shape[2]
-    entries, mix, diff = _mixing(cols, T, q.dtype, q.device)
+    entries, mix, diff, reads = _mixing(cols, T, q.dtype, q.device)
     prims = prims or _SELF
     if off is not None:
         prims = _Documents(prims, off, entries, group)
     lo = torch.tensor(cols.lo, device=q.device)[None, :]
     rows = torch.arange(T, device=q.device)[:, None] if off is None else off[:, None, :, None].long()
-    return prims, group, entries, mix, diff, rows >= lo
+    valid = rows >= lo
+    return prims, group, entries, mix, diff, valid, (valid.to(q.dtype) @ reads.to(q.dtype)) > 0
+
+
+# Non-finite values. The primitives read every entry at every position (clamped rows where a column does not
+# exist) and mix them by matrix products, so a NaN anywhere would reach rows that never attend it (0 * NaN).
+# The maths runs on cleaned copies (non-finite entries zeroed) and the rows that do read a bad value are
+# poisoned afterwards: the output and dq of a query that reads one, dk / dv of a row such a query reads.
+def clean_rows(x):
+    """``x`` with its non-finite entries zeroed, and per row (last dimension) whether it held any."""
+    fin = torch.isfinite(x)
+    return torch.where(fin, x, 0), ~fin.all(-1)
+
+
+def _read_bad(prims, bad_kv, read, entries, group, like):
+    """``(B, H, T)``: the queries that read (``read``: ``(., T, E)``) a key/value row marked in ``bad_kv``."""
+    B, H, T, _ = like.shape
+    ones = like.new_ones(B, H, T, 1)
+    flags = prims.scores(ones, bad_kv[..., None].to(like.dtype), entries, group)        # (B, H, T, E)
+    return ((flags > 0) & read).any(-1)
+
+
+def _rows_read_by(prims, bad_q, read, entries, group, like):
+    """``(B, Hkv, T)``: the key/value rows read by a query marked in ``bad_q``."""
+    w = (bad_q[..., None] & read).to(like.dtype)
+    return prims.wsum_t(w, like.new_ones(*like.shape[:3], 1), entries, group)[..., 0] > 0
 
 
 def attn_forward(q, k, v, cols, scale: float, prims=None, off=None, save: bool = True):
     """``(out, P)``: softmax attention over ``cols`` (``columns.Columns``) from the band
     primitives of ``prims`` (default: this module's); ``P`` is ``(B, H, T, C)`` (None unless
     ``save``); ``off`` the documents' offsets (``documents``) or None."""
-    prims, group, entries, mix, _, valid = _setup(q, k, cols, prims, off)
+    prims, group, entries, mix, _, valid, read = _setup(q, k, cols, prims, off)
+    (k, kbad), (v, vbad) = clean_rows(k), clean_rows(v)
     s = (prims.scores(q, k, entries, group) @ mix.t()) * scale
     s = s.masked_fill(~valid, float("-inf"))
     P = torch.softmax(s, dim=-1)
-    return prims.wsum(P @ mix, v, entries, group), P if save else None
+    out = prims.wsum(P @ mix, v, entries, group)
+    out = out.masked_fill(_read_bad(prims, kbad | vbad, read, entries, group, q)[..., None], float("nan"))
+    return out, P if save else None
 
 
 def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = False, prims=None, off=None):
     """``(dq, dk, dv, dfrac)``; ``dfrac[c]`` (float64, or None) is d loss / d frac of column ``c``."""
-    prims, group, entries, mix, diff, _ = _setup(q, k, cols, prims, off)
+    prims, group, entries, mix, diff, valid, read = _setup(q, k, cols, prims, off)
+    (q, qbad), (k, kbad), (v, vbad), (dout, dbad) = clean_rows(q), clean_rows(k), clean_rows(v), clean_rows(dout)
+    out, P = clean_rows(out)[0], torch.nan_to_num(P, nan=0.0)
     dp_raw = prims.scores(dout, v, entries, group)
     delta = (dout * out).sum(-1, keepdim=True)
     dS = P * (dp_raw @ mix.t() - delta)
@@ -154,10 +188,16 @@ def attn_backward(q, k, v, out, P, dout, cols, scale: float, need_dfrac: bool = 
     dq = prims.wsum(dS_e, k, entries, group).mul_(scale)
     dk = prims.wsum_t(dS_e, q, entries, group).mul_(scale)
     dv = prims.wsum_t(P @ mix, dout, entries, group)
+    bad = _read_bad(prims, kbad | vbad, read, entries, group, q) | qbad | dbad       # queries whose gradients are NaN
+    dq = dq.masked_fill(bad[..., None], float("nan"))
+    hit = _rows_read_by(prims, bad, read, entries, group, q)[..., None]
+    dk, dv = dk.masked_fill(hit, float("nan")), dv.masked_fill(hit, float("nan"))
     dfrac = None
     if need_dfrac:      # d s_c / d frac = scale q.(k[lo+1] - k[lo]); d out / d frac = P_c (v[lo+1] - v[lo])
         s_diff = prims.scores(q, k, entries, group) @ diff.t()
         dfrac = ((dS * s_diff).sum((0, 1, 2)) * scale + (P * (dp_raw @ diff.t())).sum((0, 1, 2))).double()
+        rung = torch.tensor(cols.two, device=q.device)          # alpha reaches the rungs alone
+        dfrac = dfrac.masked_fill((bad[..., None] & valid & rung).flatten(0, -2).any(0), float("nan"))
     return dq, dk, dv, dfrac
 
 

@@ -7,9 +7,10 @@ forward saves ``lse`` ``(B, H, T)`` (float32; float64 for float64 inputs), not t
 probabilities; the backward's query pass writes the rungs' ``P`` and ``dS`` ``(B·H·T, R)``
 for its key pass (freed when the backward returns).
 
-One launch per forward (two for the fractional op: its rung plan is computed on the device
-so that ``alpha`` is never read back to the host), two per backward plus the ``alpha``
-gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
+Two launches per forward — the attention and ``flags_kernel``, one read of K and V marking the rows that
+hold a NaN or inf so that such a value reaches only the queries that attend it — (three for the fractional
+op: its rung plan is computed on the device so that ``alpha`` is never read back to the host), three per
+backward plus the ``alpha`` gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
 ``backward`` take ``off`` (int32 ``(B, T)``, contiguous, on q's device: each position's offset
 in its document; None for one document per row), compiled as a separate kernel variant.
 
@@ -120,18 +121,18 @@ def _launcher(kernel, trace: bool):
 
 
 @functools.lru_cache(maxsize=256)
-def _int_tensor(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
-def device_ints(values: tuple[int, ...], device, trace: bool = False) -> torch.Tensor:
-    """``values`` as an int32 tensor on ``device`` (``(0,)`` when empty): cached per device when eager; while
+def device_values(values: tuple, device, trace: bool = False, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device`` (``(0,)`` when empty): cached per device when eager; while
     tracing built by device ops alone, which the compiler fuses into one small kernel, rather than a
     host constant copied over on every call (a host-to-device copy that a CUDA graph cannot hold)."""
     values = values or (0,)
     if not trace:
-        return _int_tensor(values, torch.device(device))
-    return torch.stack([torch.full((), v, dtype=torch.int32, device=device) for v in values])
+        return _table(values, dtype, torch.device(device))
+    return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
 
 
 def band_width(dists) -> int:
@@ -148,8 +149,8 @@ def _integer_columns(dists: tuple[int, ...], T: int, device, trace: bool = False
     """:func:`_columns` of integer distances (cached when eager: every layer calls with its own list)."""
     wb = band_width(dists)
     rungs = tuple(sorted(d for d in set(dists) if wb < d < T))    # distances >= T are never valid
-    lo = device_ints(rungs or (kernels().NEVER,), device, trace)
-    n = device_ints((len(rungs),), device, trace)
+    lo = device_values(rungs or (kernels().NEVER,), device, trace)
+    n = device_values((len(rungs),), device, trace)
     return (lo, lo, lo, lo, n), max(len(rungs), 1), wb, False   # RWLO, RWHI, RBASE: read only when TWO_TAP
 
 
@@ -168,8 +169,10 @@ def _columns(spec: ColumnSpec, alpha, T: int, device, trace: bool = False):
     if a.device != device:
         a = a.to(device)
     cap = spec.cap(T)
-    _launcher(kernels().plan_kernel, trace)[(1,)](a, device_ints(spec.base, device, trace), lo, wlo, whi, rbase, n,
-                                                  len(spec.base), cap, W=spec.window, BLOCK_K=_pow2(len(spec.base)))
+    # the base in float64: alpha * b as Python takes it, for any value (int32 would not hold every one)
+    base = device_values(tuple(float(b) for b in spec.base), device, trace, torch.float64)
+    _launcher(kernels().plan_kernel, trace)[(1,)](a, base, lo, wlo, whi, rbase, n, len(spec.base), cap,
+                                                  W=spec.window, BLOCK_K=_pow2(len(spec.base)))
     return (lo, wlo, whi, rbase, n), K, min(spec.window, cap), True
 
 
@@ -226,6 +229,15 @@ def _launch_plan(shape, dtype, hkv: int, wb: int, _settings):
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
 
 
+def _row_flags(k, v, trace: bool) -> torch.Tensor:
+    """``(B, Hkv, T)`` int8: which key (bit 0) and value (bit 1) rows hold a NaN or inf (``flags_kernel``)."""
+    B, hkv, T, D = k.shape
+    flags = torch.empty(B, hkv, T, dtype=torch.int8, device=k.device)
+    _launcher(kernels().flags_kernel, trace)[(triton_cdiv(T, 64), B * hkv)](
+        k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16))
+    return flags
+
+
 def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool = True):
     # save=False (no backward follows) changes nothing here: the saved state, lse, is (B, H, T)
     q, k, v = _prep(q, k, v)
@@ -237,9 +249,10 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
     grid, dims, opts = _launch(q, hkv, wb, trace)
-    _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, rlo, rwlo, rwhi, rn, off, *_s3(q), *_s3(k),
-                                                 *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D, scale * LOG2E,
-                                                 TWO_TAP=two, HAS_DOCS=off is not None, **dims, **opts)
+    flags = _row_flags(k, v, trace)
+    _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
+                                                 *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
+                                                 scale * LOG2E, TWO_TAP=two, HAS_DOCS=off is not None, **dims, **opts)
     return out, lse
 
 
@@ -262,8 +275,9 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     dfrac = torch.zeros(n, dtype=delta.dtype, device=q.device) if need else delta.new_empty(1)
     kern = kernels()
     docs = off is not None
-    _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, rlo, rwlo, rwhi, rn,
-                                               off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
+    flags = _row_flags(k, v, trace)
+    _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
+                                               rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
                                                T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
                                                NEED_DFRAC=need, HAS_DOCS=docs, **dims, **opts)
     _launcher(kern.bwd_dkdv_kernel, trace)[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
@@ -284,7 +298,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # ----------------------------------------------------------------------------- offline compilation
-_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
+_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64", "DFRAC": "*fp32",
              "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
 _TENSOR_ARGS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
 

@@ -55,14 +55,16 @@ from .triton_tiles import (
     _dot,
     _dot_p,
     _dot_t,
+    _flagged,
     _rows,
     _rung_keys,
     _softmax_step,
     _stored,
     _tile_docs,
+    _unfinished,
 )
 
-__all__ = ["NEVER", "plan_kernel", "fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
+__all__ = ["NEVER", "plan_kernel", "flags_kernel", "fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
 
 
 @triton.jit(do_not_specialize=["CAP"])
@@ -97,6 +99,24 @@ def plan_kernel(ALPHA, BASE, RLO, RWLO, RWHI, RBASE, RN, K, CAP, W: tl.constexpr
     tl.store(RN, tl.sum(used.to(tl.int32), axis=0))
 
 
+@triton.jit
+def flags_kernel(K, V, FLAGS, skb, skh, skt, svb, svh, svt, T, HKV, DH, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """``FLAGS[b, hk, t]`` (int8): bit 0 when key row ``(b, hk, t)`` holds a NaN or inf, bit 1 when its value
+    row does (``_flagged``): one read of K and V, so that the attention kernels test a flag per row, not each
+    element, and a non-finite value reaches only the queries that attend it."""
+    b = tl.program_id(1) // HKV
+    hk = tl.program_id(1) % HKV
+    t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = t < T
+    k = _rows(K + b.to(tl.int64) * skb + hk * skh, t * skt, offs_d, ok, offs_d < DH)
+    v = _rows(V + b.to(tl.int64) * svb + hk * svh, t * svt, offs_d, ok, offs_d < DH)
+    kbad = tl.max(tl.where(tl.abs(k.to(tl.float32)) < float("inf"), 0, 1), axis=1)
+    vbad = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 2), axis=1)
+    tl.store(FLAGS + tl.program_id(1) * T + t, (kbad | vbad).to(tl.int8), mask=ok)
+
+
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
 def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -113,7 +133,7 @@ def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
 
 # ----------------------------------------------------------------------------- forward
 @triton.jit(do_not_specialize=["T", "WB"])
-def fwd_kernel(Q, K, V, OUT, LSE, RLO, RWLO, RWHI, RN, OFF,
+def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                T, WB, HKV, H, GROUP, DH, qk_scale,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
@@ -127,27 +147,35 @@ def fwd_kernel(Q, K, V, OUT, LSE, RLO, RWLO, RWHI, RN, OFF,
     orow, ocol = _tile_docs(OFF, b, T, i, i0, HAS_DOCS, RB, BLOCK_M)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
+    bhk = b * HKV + hk
 
     m_i = tl.full([BLOCK_G * BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_G * BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
+    bad = tl.zeros([BLOCK_G * BLOCK_M], tl.int32)      # rows that attend a value row holding a NaN / inf
     for n0 in range(i0 - WB, i0 + BLOCK_M, BLOCK_N):        # the band: keys [i0 - WB, i0 + M)
         kr = n0 + tl.arange(0, BLOCK_N)
         kok = (kr >= 0) & (kr < T)
+        vbad = _flagged(FLAGS, bhk, T, kr, kok, 2)
         k = _rows(kb, kr * skt, offs_d, kok, in_d)
-        v = _rows(vb, kr * svt, offs_d, kok, in_d)
+        v = _rows(vb, kr * svt, offs_d, kok & ~vbad, in_d)
         d = i[:, None] - kr[None, :]
         ok = (d >= 0) & (d <= WB) & kok[None, :]
         if HAS_DOCS:
             ok = ok & (d <= orow[:, None])
+        if tl.max(vbad.to(tl.int32), axis=0) > 0:            # rare: a flagged value row in this block
+            bad = tl.maximum(bad, tl.max(tl.where(ok & vbad[None, :], 1, 0), axis=1))
         s = tl.where(ok, _dot_t(q, k, IN, DOT).to(ACC) * qk_scale, float("-inf"))
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, s)
         acc += _dot_p(p, v, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                                 # the rungs, RB at a time
-        k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
-                                                       in_d, ocol, TWO_TAP, HAS_DOCS, ACC, RB, BLOCK_M)
+        k1, v1, k2, v2, wlo, whi, mm, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T,
+                                                             skt, svt, offs_d, in_d, ocol, TWO_TAP, HAS_DOCS, ACC,
+                                                             RB, BLOCK_M, True)
         ok = (m[:, None] == mm[None, :]) & kok[None, :]
+        if tl.max(cbad.to(tl.int32), axis=0) > 0:
+            bad = tl.maximum(bad, tl.max(tl.where(ok & cbad[None, :], 1, 0), axis=1))
         if TWO_TAP:
             s = wlo[None, :] * _dot_t(q, k1, IN, DOT).to(ACC) + whi[None, :] * _dot_t(q, k2, IN, DOT).to(ACC)
         else:
@@ -158,15 +186,16 @@ def fwd_kernel(Q, K, V, OUT, LSE, RLO, RWLO, RWHI, RN, OFF,
         else:
             acc += _dot_p(p, v1, IN, DOT)
     l_use = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_use[:, None]
+    out = tl.where(bad[:, None] > 0, float("nan"), acc / l_use[:, None])
     tl.store(OUT + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & in_d[None, :])
-    tl.store(LSE + (b * H + h) * T + i, (m_i + tl.log2(l_use)).to(LSE.dtype.element_ty), mask=row_ok)
+    lse = tl.where(bad > 0, float("nan"), m_i + tl.log2(l_use))
+    tl.store(LSE + (b * H + h) * T + i, lse.to(LSE.dtype.element_ty), mask=row_ok)
 
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit(do_not_specialize=["T", "R", "WB"])
-def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, RWHI, RN, OFF,
+def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
                   sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
                   TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr,
@@ -184,31 +213,36 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, R
     o = _rows(OUT + b * sob, h * soh + i * sot, offs_d, row_ok, in_d)
     stat = (b * H + h) * T + i
     delta = tl.sum(do.to(ACC) * o.to(ACC), axis=1)
-    tl.store(DELTA + stat, delta.to(DELTA.dtype.element_ty), mask=row_ok)
     lse = tl.load(LSE + stat, mask=row_ok, other=0.0).to(ACC)
+    # the key pass reads a NaN delta as "this row is unfinished" (a NaN / inf in its q, dout or a row it read)
+    tl.store(DELTA + stat, tl.where(_unfinished(lse, delta), float("nan"), delta).to(DELTA.dtype.element_ty),
+             mask=row_ok)
     q = q.to(IN)
     do = do.to(IN)
     orow, ocol = _tile_docs(OFF, b, T, i, i0, HAS_DOCS, RB, BLOCK_M)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
+    bhk = b * HKV + hk
 
     dq = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
     for n0 in range(i0 - WB, i0 + BLOCK_M, BLOCK_N):
         kr = n0 + tl.arange(0, BLOCK_N)
         kok = (kr >= 0) & (kr < T)
-        k = _rows(kb, kr * skt, offs_d, kok, in_d)
+        k = _rows(kb, kr * skt, offs_d, kok & ~_flagged(FLAGS, bhk, T, kr, kok, 1), in_d)     # dq = dS . K
         v = _rows(vb, kr * svt, offs_d, kok, in_d)
         d = i[:, None] - kr[None, :]
         ok = (d >= 0) & (d <= WB) & kok[None, :] & row_ok[:, None]
         if HAS_DOCS:
             ok = ok & (d <= orow[:, None])
+        # masked entries are set, not multiplied, to 0: a poisoned row's NaN delta must not reach them
         p = tl.where(ok, tl.exp2(_dot_t(q, k, IN, DOT).to(ACC) * qk_scale - lse[:, None]), 0.0)
-        ds = p * (_dot_t(do, v, IN, DOT).to(ACC) - delta[:, None])
+        ds = tl.where(ok, p * (_dot_t(do, v, IN, DOT).to(ACC) - delta[:, None]), 0.0)
         dq += _dot(ds, k, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):
-        k1, v1, k2, v2, wlo, whi, mm, kok = _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d,
-                                                       in_d, ocol, TWO_TAP, HAS_DOCS, ACC, RB, BLOCK_M)
+        k1, v1, k2, v2, wlo, whi, mm, kok, _ = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt,
+                                                          svt, offs_d, in_d, ocol, TWO_TAP, HAS_DOCS, ACC, RB,
+                                                          BLOCK_M, False)
         ok = (m[:, None] == mm[None, :]) & kok[None, :] & row_ok[:, None]
         s1 = _dot_t(q, k1, IN, DOT).to(ACC)
         dp1 = _dot_t(do, v1, IN, DOT).to(ACC)
@@ -216,11 +250,11 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, R
             s2 = _dot_t(q, k2, IN, DOT).to(ACC)
             dp2 = _dot_t(do, v2, IN, DOT).to(ACC)
             p = tl.where(ok, tl.exp2((wlo[None, :] * s1 + whi[None, :] * s2) * qk_scale - lse[:, None]), 0.0)
-            ds = p * (wlo[None, :] * dp1 + whi[None, :] * dp2 - delta[:, None])
+            ds = tl.where(ok, p * (wlo[None, :] * dp1 + whi[None, :] * dp2 - delta[:, None]), 0.0)
             dq += _dot(ds * wlo[None, :], k1, IN, DOT) + _dot(ds * whi[None, :], k2, IN, DOT)
         else:
             p = tl.where(ok, tl.exp2(s1 * qk_scale - lse[:, None]), 0.0)
-            ds = p * (dp1 - delta[:, None])
+            ds = tl.where(ok, p * (dp1 - delta[:, None]), 0.0)
             dq += _dot(ds, k1, IN, DOT)
         # one value per (row, rung): the block-diagonal mask leaves one entry per rung in a row
         rr = r0 + tl.arange(0, RB)
@@ -230,7 +264,7 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, RLO, RWLO, R
         tl.store(DSR + slot, tl.sum(tl.reshape(ds, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
         if TWO_TAP:
             if NEED_DFRAC:      # d s / d frac = scale q.(k2 - k1), d out / d frac = p (v2 - v1); summed on the host
-                part = ds * (s2 - s1) * sm_scale + p * (dp2 - dp1)          # 0 off the block diagonal
+                part = tl.where(ok, ds * (s2 - s1) * sm_scale + p * (dp2 - dp1), 0.0)   # 0 off the block diagonal
                 tl.store(DFRAC + slot, tl.sum(tl.reshape(part, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
     tl.store(DQ + b * sdqb + (h * sdqh + i * sdqt)[:, None] + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & in_d[None, :])
@@ -268,17 +302,20 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     for n0 in range(j0, j0 + BLOCK_M + WB, BLOCK_N):
         i = n0 + qn % BLOCK_N
         ok_i = g_ok & (i < T)
-        qb = _rows(Q + b * sqb, hq * sqh + i * sqt, offs_d, ok_i, in_d)
-        dob = _rows(DO + b * sdb, hq * sdh + i * sdt, offs_d, ok_i, in_d)
         stat = (b * H + hq) * T + i
         lse = tl.load(LSE + stat, mask=ok_i, other=0.0).to(ACC)
         delta = tl.load(DELTA + stat, mask=ok_i, other=0.0).to(ACC)
+        off = delta != delta                              # unfinished rows (the query pass's NaN delta): their
+        # q / dout rows must not meet other rows' zeros in a product (0 * NaN)
+        qb = _rows(Q + b * sqb, hq * sqh + i * sqt, offs_d, ok_i & ~off, in_d)
+        dob = _rows(DO + b * sdb, hq * sdh + i * sdt, offs_d, ok_i & ~off, in_d)
+        lse = tl.where(off, float("nan"), lse)            # ... and give NaN where such a row attends
         d = i[None, :] - kr[:, None]                      # (key, query): the products come out as Pᵀ, dSᵀ
         ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]
         if HAS_DOCS:
             ok = ok & (d <= _doc_off(OFF, b, T, i, HAS_DOCS)[None, :])
         pt = tl.where(ok, tl.exp2(_dot_t(k, qb, IN, DOT).to(ACC) * qk_scale - lse[None, :]), 0.0)
-        dst = pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :])
+        dst = tl.where(ok, pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :]), 0.0)
         dv += _dot_p(pt, dob, IN, DOT)
         dk += _dot(dst, qb, IN, DOT)
 
@@ -298,8 +335,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     for r in range(0, tl.load(RN)):
         lo = tl.load(RLO + r)
         iq = j0 + m + lo
-        qg, dog, ds, p = _stored(Q, DO, PR, DSR, b, h, iq, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt,
-                                 offs_d, in_d)
+        qg, dog, ds, p = _stored(Q, DO, PR, DSR, DELTA, b, h, iq, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh,
+                                 sdt, offs_d, in_d)
         if TWO_TAP:
             wlo = tl.load(RWLO + r).to(ACC)
             whi = tl.load(RWHI + r).to(ACC)
@@ -307,15 +344,16 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
             xlast = last
             if HAS_DOCS:        # a query at offset lo in its document: both taps on key j (diagonal), none on j - 1
                 oq = _doc_off(OFF, b, T, iq, HAS_DOCS)[None, :]
-                w = tl.where(diag, wlo + whi * (oq == lo).to(ACC), 0.0) + tl.where(
-                    (row[:, None] + 1 == m[None, :]) & (oq > lo), whi, 0.0)
+                sup = (row[:, None] + 1 == m[None, :]) & (oq > lo)
+                w = tl.where(diag, wlo + whi * (oq == lo).to(ACC), 0.0) + tl.where(sup, whi, 0.0)
                 xlast = xlast & (_doc_off(OFF, b, T, ix, HAS_DOCS) > lo)[None, :]
             else:
-                w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(
-                    row[:, None] + 1 == m[None, :], whi, 0.0)
-            dk += _dot(w * ds[None, :], qg, IN, DOT)
-            dv += _dot_p(w * p[None, :], dog, IN, DOT)
-            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, b, hk * GROUP + xg, ix, xg < GROUP, r,
+                sup = row[:, None] + 1 == m[None, :]
+                w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(sup, whi, 0.0)
+            taps = diag | sup            # set, not multiplied: a NaN dS or P stays in the entries its row reads
+            dk += _dot(tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
+            dv += _dot_p(tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT)
+            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, DELTA, b, hk * GROUP + xg, ix, xg < GROUP, r,
                                        R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d)
             dk += _dot(tl.where(xlast, whi * dsx[None, :], 0.0), qx, IN, DOT)
             dv += _dot_p(tl.where(xlast, whi * px[None, :], 0.0), dox, IN, DOT)

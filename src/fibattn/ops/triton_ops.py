@@ -10,7 +10,7 @@ these are traced: their bodies allocate with torch and launch the kernels throug
 inductor plans the buffers, calls the kernels from its own code (no Python of fibattn's per call),
 fuses what surrounds them and can capture the whole step in a CUDA graph. Nothing in them reads a
 value back or makes a CPU tensor: the rung table of integer distances is built on the device while
-tracing (``triton_backend.device_ints``) and ``alpha``'s rungs by ``plan_kernel``.
+tracing (``triton_backend.device_values``) and ``alpha``'s rungs by ``plan_kernel``.
 
 Used only by a compiled call on CUDA with real (not interpreted) kernels
 (:func:`applies`); eager calls keep ``eager.py``'s direct path, and functorch transforms, the

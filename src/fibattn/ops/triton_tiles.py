@@ -19,6 +19,25 @@ def _rows(base, offs, offs_d, ok, in_d):
 
 
 @triton.jit
+def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr):
+    """Whether key/value rows ``rows`` of head ``bhk`` (``b * Hkv + hk``) hold a NaN or inf: bit ``BIT`` of their
+    flags (``flags_kernel``; 1 keys, 2 values).
+
+    A row another query of the tile reads but this one does not still meets this one in a tile product
+    (``0 * NaN`` = NaN), so a flagged row is loaded as zeros wherever it is a product's right-hand operand —
+    values in the forward, keys in the query pass — and a query that does read a flagged value row is given
+    NaN explicitly. Scores need nothing: a masked one is selected away, not multiplied."""
+    return (tl.load(FLAGS + bhk * T + rows, mask=ok, other=0) & BIT) != 0
+
+
+@triton.jit
+def _unfinished(lse, delta):
+    """Query rows whose output or gradient is not finite (a NaN / inf in q, dout, or a row they read): their
+    q and dout rows are loaded as zeros in the key pass, and their probabilities made NaN where they attend."""
+    return ((lse - lse) != 0) | ((delta - delta) != 0)
+
+
+@triton.jit
 def _dot(a, b, IN: tl.constexpr, DOT: tl.constexpr):
     """A tensor-core product of operands rounded to the input dtype ``IN``, in ``DOT`` (``IN``
     itself; float32 under the interpreter for bfloat16, whose products it gets wrong), with
@@ -62,13 +81,14 @@ def _softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
-def _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, oc,
+def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, oc,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr,
-               BLOCK_M: tl.constexpr):
+               BLOCK_M: tl.constexpr, FWD: tl.constexpr):
     """Rungs ``[r0, r0 + RB)`` as one gathered block of ``RB·M`` key rows: column ``n`` is rung
     ``r0 + n // M`` at tile row ``mm = n % M``. Returns the first tap's keys and values, the
-    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm`` and
-    whether the column exists. Interpolation is applied to scores and probabilities, not to
+    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm``,
+    whether the column exists and whether a row it reads is flagged (:func:`_tap`; ``FWD``: the
+    forward). Interpolation is applied to scores and probabilities, not to
     the rows, so that the products take the inputs' own rows, exact in half precision.
     ``HAS_DOCS``: ``oc`` is each column's row's offset in its document; a key before the
     document start does not exist, and the second tap is clamped at that start."""
@@ -80,31 +100,44 @@ def _rung_keys(kb, vb, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, o
     ok = (kr >= 0) & (kr < T)
     if HAS_DOCS:
         ok = ok & (oc >= lo)
-    k1 = _rows(kb, kr * skt, offs_d, ok, in_d)
-    v1 = _rows(vb, kr * svt, offs_d, ok, in_d)
+    k1, v1, bad = _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD)
     if TWO_TAP:
         if HAS_DOCS:
             kr2 = kr - (oc > lo).to(tl.int32)
         else:
             kr2 = tl.maximum(kr - 1, 0)
-        k2 = _rows(kb, kr2 * skt, offs_d, ok, in_d)
-        v2 = _rows(vb, kr2 * svt, offs_d, ok, in_d)
+        k2, v2, bad2 = _tap(kb, vb, FLAGS, bhk, T, kr2, skt, svt, offs_d, ok, in_d, FWD)
         wlo = tl.load(RWLO + rung, mask=rung < nr, other=1.0).to(ACC)
         whi = tl.load(RWHI + rung, mask=rung < nr, other=0.0).to(ACC)
-        return k1, v1, k2, v2, wlo, whi, mm, ok
+        return k1, v1, k2, v2, wlo, whi, mm, ok, bad | bad2
     else:
-        return k1, v1, k1, v1, 1.0, 0.0, mm, ok
+        return k1, v1, k1, v1, 1.0, 0.0, mm, ok, bad
 
 
 @triton.jit
-def _stored(Q, DO, PR, DSR, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
+def _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD: tl.constexpr):
+    """One tap's key and value rows; a flagged value row (``FWD``, the forward) or key row (the query pass)
+    comes in as zeros (:func:`_flagged`), and whether it was flagged."""
+    bad = _flagged(FLAGS, bhk, T, kr, ok, 2 if FWD else 1)
+    k = _rows(kb, kr * skt, offs_d, ok if FWD else ok & ~bad, in_d)
+    v = _rows(vb, kr * svt, offs_d, ok & ~bad if FWD else ok, in_d)
+    return k, v, bad
+
+
+@triton.jit
+def _stored(Q, DO, PR, DSR, DELTA, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
     """Query rows ``i`` of heads ``h`` (gathered ``q`` and ``dout``), with their stored ``dS`` and ``P``
-    of rung ``r``."""
+    of rung ``r``; an unfinished row (:func:`_unfinished`: its delta is stored as NaN) comes in as zeros, its
+    nonzero ``P`` as NaN."""
     ok = ok & (i < T)
-    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)
-    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok, in_d)
-    slot = ((b * H + h) * T + i) * R + r
-    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.load(PR + slot, mask=ok, other=0.0)
+    stat = (b * H + h) * T + i
+    delta = tl.load(DELTA + stat, mask=ok, other=0.0)
+    off = delta != delta
+    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok & ~off, in_d)
+    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok & ~off, in_d)
+    slot = stat * R + r
+    p = tl.load(PR + slot, mask=ok, other=0.0)
+    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.where(off & (p != 0), float("nan"), p)
 
 
 @triton.jit
