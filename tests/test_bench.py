@@ -315,6 +315,29 @@ def test_generate_times_the_static_step_of_a_batch(capsys, one_thread):
     assert dense[16] < dense[32]                     # sized to the context, not grown from 256 rows
 
 
+def test_generate_prefill_compiled_and_in_chunks(capsys, one_thread):
+    """``--decode compiled --prefill-chunk 24``: the prefill runs compiled, in chunks, its compile run untimed, and
+    reports its total (the attention core is inside the graphs)."""
+    torch._dynamo.reset()
+    assert cli_main(["bench", "generate", "--shapes", "tiny", "--contexts", "16", "--prefill", "64",
+                     "--variants", "static", "--steps", "1", "--reps", "1", "--prefill-reps", "1",
+                     "--decode-threads", "1", "--decode", "compiled", "--prefill-chunk", "24", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (pre,) = [r for r in doc["results"] if "prefill_s" in r]
+    assert pre["prefill_compiled"] and pre["prefill_attn_s"] is None and pre["prefill_s"] > 0
+
+
+def test_hf_generate_times_the_remote_code_export_beside_fibattn(capsys, tmp_path, monkeypatch, one_thread):
+    """``bench hf-generate``: the tiny model exported as remote code and loaded back with transformers, both sides'
+    decode tokens/s, and the same greedy tokens (float32 on a CPU)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
+    assert cli_main(["bench", "hf-generate", "--contexts", "40", "--new", "4", "--reps", "1", "--json"]) == 0
+    (rec,) = json.loads(capsys.readouterr().out)["results"]
+    assert rec["context"] == 40 and rec["tokens_equal"] and rec["hf_tok_s"] > 0 and rec["fibattn_tok_s"] > 0
+    assert cli_main(["bench", "hf-generate", "--contexts", "4", "--new", "4"]) == 2
+
+
 @pytest.mark.parametrize("argv, flag", [(["--decode-threads", "a"], "--decode-threads"),
                                         (["--prefill-reps", "0"], "--prefill-reps"),
                                         (["--batch", "0"], "--batch")])

@@ -18,10 +18,12 @@ from readbacks import recording
 PROMPTS = [[1, 2, 3], [5] * 11, [7, 8, 9, 10, 11, 12, 13], [4]]
 
 
-def _model(kind="static", n_layers=3, seq_len=32, window=3):
+def _model(kind="static", n_layers=3, seq_len=32, window=3, base_k=None):
     cfg = tiny().model
     cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads = 32, n_layers, 4, 2
     cfg.seq_len, cfg.window = seq_len, window
+    if base_k is not None:
+        cfg.base_k = base_k
     cfg.backend = "torch"
     if kind == "dense":
         cfg.attention = "dense"

@@ -70,8 +70,8 @@ def test_quick_generate_step_runs_on_cpu(tmp_path):
     """Issue 55's step: the four decode runs (contexts, the long one, the compiled step at batch 1 and 64; static
     in --quick) and prefill, each giving its goal's number."""
     summary = quick_summary(tmp_path, "generate")
-    assert list(summary["steps"]) == ["bench_generate", "bench_generate_long", "bench_generate_compiled",
-                                      "bench_generate_batch64"]
+    assert list(summary["steps"]) == ["bench_generate", "bench_generate_prefill", "bench_generate_long",
+                                      "bench_generate_compiled", "bench_generate_batch64", "bench_hf_generate"]
     assert all(s["status"] == "ok" for s in summary["steps"].values()), summary["steps"]
     goals = summary["goals"]
     for key in ("decode sparse tok/s batch 1 (worst context and variant)", "decode sparse tok/s batch 64 (worst "
@@ -80,6 +80,25 @@ def test_quick_generate_step_runs_on_cpu(tmp_path):
     assert goals["decode sparse tok/s batch 64 (worst variant)"]["goal"] == ">= 30000.0"
     batch = summary["generate"]["bench_generate_batch64"]["settings"]
     assert batch["batch"] == 64 and batch["decode"] == "static"
+    prefill = [x for x in summary["generate"]["bench_generate_prefill"]["results"] if "prefill_s" in x]
+    assert {x["variant"] for x in prefill} == {"dense", "static"} and all(x["prefill_s"] > 0 for x in prefill)
+    assert goals["prefill dense/sparse at 16384"]["goal"] == ">= 3.0"
+    (hf,) = summary["generate"]["bench_hf_generate"]["results"]
+    assert hf["tokens_equal"] and summary["ratios"]["fibattn / transformers export decode at 64"] > 0
+
+
+def test_quick_op_step_runs_on_cpu(tmp_path):
+    """Issues 54 / 56: the op timed beside dense (wall time on the CPU; graph replay on CUDA) and the host's time
+    per call, each giving its goal's number (not judged in --quick)."""
+    summary = quick_summary(tmp_path, "op")
+    assert [s["status"] for s in summary["steps"].values()] == ["ok"], summary["steps"]
+    ratios, goals = summary["ratios"], summary["goals"]
+    for key in ("op dense/integer fwd+bwd at 256", "op interpolated/integer (worst length)",
+                "op documents/integer (worst length)", "op host us per eager fwd+bwd (integer)"):
+        assert ratios[key] > 0, key
+    assert goals["op host us per eager fwd+bwd (integer)"]["goal"] == "<= 60.0"
+    assert goals["op dense/integer fwd+bwd at 65536"]["goal"] == ">= 70.0"
+    assert goals["op interpolated/integer (worst length)"]["judged"] is False
 
 
 # ----------------------------------------------------------------------------- refusals and verdicts (kind 8)

@@ -251,6 +251,19 @@ def test_a_non_finite_value_reaches_only_the_queries_that_read_it(backend, op):
     """For random documents and a NaN / inf / -inf at a random place of q, k, v or dout: the output and dq of
     every query that does not read it, dk / dv of every row no such query reads, and d alpha when no reader
     has a rung, equal the clean run's (and are finite)."""
+    _non_finite_stays_with_its_readers(backend, op, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["integer", "interpolated"])
+def test_a_non_finite_value_reaches_only_its_readers_on_the_gpu(op):
+    """The same on CUDA tensors: the Triton kernels as the device runs them (tensor-core products included)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _non_finite_stays_with_its_readers("triton", op, "cuda")
+
+
+def _non_finite_stays_with_its_readers(backend, op, device):
     rng = np.random.default_rng(zlib.crc32(f"{backend}-{op}".encode()))
     T, B = 40, 1
     for trial in range(8):
@@ -258,8 +271,9 @@ def test_a_non_finite_value_reaches_only_the_queries_that_read_it(backend, op):
         ids_list = [sum(i >= c for c in cuts) for i in range(T)]
         ids = torch.tensor([ids_list]) if trial % 2 else None
         seen = _attended(op, T, ids_list if ids is not None else [0] * T)
-        q, k, v = _qkv(B=B, T=T, seed=trial)
-        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(trial + 10))
+        q, k, v = (x.to(device) for x in _qkv(B=B, T=T, seed=trial))
+        dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(trial + 10)).to(device)
+        ids = None if ids is None else ids.to(device)
         clean = _grads(op, backend, q, k, v, dout, ids)
         where, row = ["q", "k", "v", "dout"][trial % 4], int(rng.integers(0, T))
         inputs = dict(q=q.clone(), k=k.clone(), v=v.clone(), dout=dout.clone())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fibattn.ops import backend_available, triton_ops
-from op_helpers import FP32, close, doc_ids, interp, make, run, sparse
+from op_helpers import FP32, close, doc_ids, interp, make, run
 
 pytestmark = pytest.mark.skipif(backend_available("triton", torch.device("cpu")) is not None,
                                 reason="triton interpreter unavailable")
@@ -88,3 +88,59 @@ def test_a_compiled_cuda_call_launches_the_kernels_itself_and_reads_nothing_back
     assert graph["fibattn_ops"] == []           # nothing opaque left: inductor sees, plans and launches it all
     assert graph["host"] == []                  # no host constant copied over, no value read back
     assert graph["devices"] == ["cuda"]         # every tensor the graph makes is on the device
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_on_the_gpu_equals_eager(mode):
+    """On a CUDA device: inductor launches the kernels itself (a CUDA graph replays them under reduce-overhead),
+    with the eager outputs and gradients."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import fibattn
+    torch._dynamo.reset()
+    q, k, v, dout = (x.cuda().to(torch.bfloat16) for x in make(B=2, H=4, Hkv=2, T=300, Dh=64))
+    alpha = torch.tensor(1.37, device="cuda")
+
+    def f(q, k, v, a):
+        return (fibattn.sparse_attention(q, k, v, DISTS) +
+                fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib", window=3))
+    want = run(f, q, k, v, dout, alpha)
+    compiled = torch.compile(f, fullgraph=True, mode=mode)
+    for _ in range(3):                   # reduce-overhead records, then replays its graph
+        got = run(compiled, q, k, v, dout, alpha)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_compiler_copies_no_input_for_a_kernel():
+    """With a device, Triton's own analysis tells the compiler which buffers each kernel writes: q, k, v, dout
+    (and, in the backward, out and lse) are read only, so none is copied for a launch (``tensors_to_clone``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import fibattn
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    clones = {}
+
+    def backend(gm, inputs):
+        def keep(g, _):
+            for n in g.graph.nodes:
+                if "triton_kernel_wrapper" in str(n.target):
+                    name = kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+                    clones.setdefault(name, set()).update(n.kwargs.get("tensors_to_clone", ()))
+            return make_boxed_func(g.forward)
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep)
+    torch._dynamo.reset()
+    q, k, v, dout = (x.cuda().to(torch.bfloat16) for x in make(B=1, H=4, Hkv=2, T=128, Dh=64))
+    alpha = torch.tensor(1.37, device="cuda")
+    f = torch.compile(lambda q, k, v, a: fibattn.interpolated_sparse_attention(q, k, v, alpha=a, base="fib",
+                                                                                 window=3), backend=backend)
+    run(f, q, k, v, dout, alpha)
+    assert {"fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"} <= set(clones)
+    for name, cloned in clones.items():
+        assert not cloned & {"Q", "K", "V", "DO", "ALPHA", "BASE"}, (name, cloned)
+        if name.startswith("bwd"):
+            assert not cloned & {"OUT", "LSE", "FLAGS"}, (name, cloned)

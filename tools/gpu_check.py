@@ -9,13 +9,16 @@ remaining steps are skipped and say so):
    bf16 tolerances), the compiled FibLM, no recompile when only T changes;
 2. ``fibattn bench attention --device cuda --json`` (B=4, H=8, Hkv=2, Dh=64, bf16;
    T = 1K … 64K fwd+bwd, 128K forward) and FlexAttention at 4K;
-3. ``fibattn bench train --device cuda --preset paper --compiled-only --json`` (T = 1024, 4096, 16384):
+3. ``fibattn bench op --device cuda --json`` (T = 4K, 16K, 64K): the op's forward + backward replayed from a
+   CUDA graph (the device's time) and eager, beside the best dense SDPA kernel; the host's µs per eager call;
+   then ``fibattn bench train --device cuda --preset paper --compiled-only --json`` (T = 1024, 4096, 16384):
    tok/s, MFU, peak memory, sparse ÷ dense, compile time cold, then warm from the same inductor cache;
 4. a 200-step training run of the paper model shape, dense and fib-linear (W=12), on
    the bundled corpus (byte tokens, the paper's 32768-entry embedding): tok/s and loss;
 5. ``fibattn bench generate --device cuda --shapes paper --json``: the captured static decode step at
-   contexts 1K / 16K / 64K (every variant, prefill 4K / 16K / 64K) and 1M (sparse), the compiled step at 16K
-   with batch 1 and 64: tokens/s against issue 55's goals;
+   contexts 1K / 16K / 64K (every variant) and 1M (sparse), the compiled step at 16K with batch 1 and 64, the
+   compiled, chunked prefill at 4K / 16K / 64K (dense and static): tokens/s against issue 55's goals; and
+   ``fibattn bench hf-generate``: the transformers remote-code export's ``generate()`` beside fibattn's;
 6. issue 29's CPU goals on this machine's own CPU (a GPU host's is likely to have AVX-512, the
    cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
    attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K): the share of the
@@ -44,6 +47,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # its steps' module, also when loaded from a file
+from gpu_check_steps import _fibattn, _json_lines, generate, op, train_bench  # noqa: E402
 GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B=4, H=8, Hkv=2, Dh=64)
     "dense/integer fwd+bwd at 4096": 2.0, "dense/integer fwd+bwd at 16384": 10.0,
     "dense/integer fwd+bwd at 65536": 60.0, "torch/integer fwd+bwd at 4096": 10.0,
@@ -53,12 +58,15 @@ GOALS = {  # issues 11 and 22: ratios measured side by side on the H200 (bf16, B
     "train compiled sparse/dense at 16384": 3.0, "train compiled sparse ktok/s at 1024": 800.0,
     "train compiled sparse ktok/s at 4096": 700.0,
 }
+GOALS.update({"op dense/integer fwd+bwd at 4096": 2.0, "op dense/integer fwd+bwd at 16384": 15.0,  # issue 56,
+              "op dense/integer fwd+bwd at 65536": 70.0})                 # CUDA-graph replay, dense on its best
 GOALS.update({"decode sparse tok/s batch 1 (worst context and variant)": 1000.0,   # issue 55
               "decode sparse tok/s batch 64 (worst variant)": 30000.0,
               "prefill dense/sparse at 4096": 1.2, "prefill dense/sparse at 16384": 3.0})
-MAX_GOALS = {"prefill sparse ms at 16384": 8.0, "interpolated/integer (worst length)": 1.5,
+MAX_GOALS = {"op interpolated/integer (worst length)": 1.4, "op documents/integer (worst length)": 1.1,
+             "op host us per eager fwd+bwd (integer)": 60.0, "op graph ms / static estimate at 4096": 1.5,
+             "prefill sparse ms at 16384": 8.0, "interpolated/integer (worst length)": 1.5,
              "train compile s cold (worst variant)": 90.0, "train compile s warm (worst variant)": 15.0}
-TRAIN_LENGTHS = (1024, 4096, 16384)
 CPU_LENGTHS = (4096, 16384)      # issue 29: fp32, B=1, H=Hkv=8, Dh=64, 2 threads, on the host's CPU
 for _T in CPU_LENGTHS:
     GOALS[f"cpu integer share of the matmul peak at {_T}"] = 0.30
@@ -113,26 +121,11 @@ def _text(x) -> str:
     return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
-def _json_lines(text: str | None) -> list[dict]:
-    out = []
-    for line in (text or "").splitlines():
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
-def _fibattn(*args: str) -> list[str]:
-    return [sys.executable, "-m", "fibattn.cli", *args]
-
-
 # ----------------------------------------------------------------------------- steps
 def tests(r: Runner, summary: dict) -> None:
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE",
-           "tests/test_ops_triton.py", "tests/test_compile.py", "tests/test_ops.py"]
+           "tests/test_ops_triton.py", "tests/test_compile.py", "tests/test_ops.py", "tests/test_triton_ops.py",
+           "tests/test_reliability_ops.py"]
     try:
         import xdist  # noqa: F401
         cmd += ["-n", "8"]            # kernel compilation dominates: compile in parallel
@@ -176,38 +169,6 @@ def attention(r: Runner, summary: dict) -> None:
             ratios[f"integer GB/s / copy GB/s at {x['T']}"] = x["gb_s"] / copy[0]
 
 
-def train_bench(r: Runner, summary: dict) -> None:
-    """Issue 54: the paper model, both compiled (fullgraph, the chunked loss head, dense on cuDNN SDPA first),
-    T = 1024 / 4096 / 16384: tok/s, MFU, sparse/dense, peak memory; compile time cold (a fresh inductor cache)
-    and warm (the same cache, the first length again in a new process, as a resumed run compiles)."""
-    cache = r.out / "inductor_cache"
-    shutil.rmtree(cache, ignore_errors=True)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    base = ["bench", "train", "--device", r.device, "--json", "--steps", "5", "--compiled-only"]
-    base += ["--preset", "tiny", "--tokens", "256"] if r.quick else ["--preset", "paper"]
-    lengths = ["64"] if r.quick else [str(T) for T in TRAIN_LENGTHS]
-    out = r.run("bench_train", _fibattn(*base, "--lengths", ",".join(lengths)), 300, env=env)
-    if not out:
-        return
-    rows = json.loads(out)["rows"]
-    summary["train_bench"] = rows
-    ratios = summary.setdefault("ratios", {})
-    for row in rows:
-        T = row["length"]
-        ratios[f"train compiled sparse/dense at {T}"] = row["ratio"]
-        ratios[f"train compiled sparse ktok/s at {T}"] = row["sparse_tok_s"] / 1e3
-        for name in ("dense", "sparse"):
-            for key in ("mfu", "peak_mb"):
-                if f"{name}_{key}" in row:
-                    ratios[f"train compiled {name} {key} at {T}"] = row[f"{name}_{key}"]
-    ratios["train compile s cold (worst variant)"] = max(row[f"{n}_warmup_s"] for row in rows
-                                                         for n in ("dense", "sparse"))
-    warm = r.run("bench_train_warm", _fibattn(*base, "--lengths", lengths[0]), 120, env=env)
-    if warm:
-        row = json.loads(warm)["rows"][0]
-        ratios["train compile s warm (worst variant)"] = max(row["dense_warmup_s"], row["sparse_warmup_s"])
-
-
 def training(r: Runner, summary: dict) -> None:
     """200 steps of the paper model shape on the bundled corpus, dense and fib-linear."""
     data = r.out / "data"
@@ -240,51 +201,6 @@ def training(r: Runner, summary: dict) -> None:
     if result.get("dense", {}).get("tok_s_median") and result.get("fib_linear", {}).get("tok_s_median"):
         summary.setdefault("ratios", {})["training run sparse/dense tok/s"] = (
             result["fib_linear"]["tok_s_median"] / result["dense"]["tok_s_median"])
-
-
-GEN_CONTEXTS = (1024, 16384, 65536)        # issue 55: every variant; sparse also at GEN_LONG
-GEN_LONG = 1 << 20
-GEN_PREFILL = (4096, 16384, 65536)
-
-
-def generate(r: Runner, summary: dict) -> None:
-    """Decode tokens/s (the captured static step; the compiled one at 16K, batch 1 and 64) and prefill, paper
-    shape: issue 55's goals."""
-    shape, ctxs, long_ctx = "paper", ",".join(map(str, GEN_CONTEXTS)), str(GEN_LONG)
-    pre = ",".join(map(str, GEN_PREFILL))
-    extra = ["--steps", "20", "--prefill-layers", "16"]
-    if r.quick:
-        shape, ctxs, long_ctx, pre, extra = "tiny", "64,256", "1024", "128", ["--steps", "1", "--reps", "1"]
-    base = ["bench", "generate", "--device", r.device, "--shapes", shape, "--json"]
-    runs = {"bench_generate": base + ["--contexts", ctxs, "--prefill", pre, "--decode", "static", *extra],
-            "bench_generate_long": base + ["--contexts", long_ctx, "--prefill", "", "--variants", "static,learned",
-                                           "--decode", "static", *extra],
-            "bench_generate_compiled": base + ["--contexts", ctxs.split(",")[1], "--prefill", "", "--variants",
-                                               "static,learned", "--decode", "compiled", *extra],
-            "bench_generate_batch64": base + ["--contexts", ctxs.split(",")[1], "--prefill", "", "--variants",
-                                              "static,learned", "--decode", "compiled", "--batch", "64", *extra]}
-    got = summary.setdefault("ratios", {})
-    for name, args in runs.items():
-        if r.quick:              # the compile's plumbing is tests/test_decode_static.py's, not a minute of CPU here
-            args = ["static" if a == "compiled" else a for a in args]
-        out = r.run(name, _fibattn(*args), 150)
-        if not out:
-            continue
-        doc = json.loads(out)
-        summary.setdefault("generate", {})[name] = doc
-        dec = [x for x in doc["results"] if "decode_tok_s" in x]
-        sparse = [x["decode_tok_s"] for x in dec if x["variant"] != "dense"]
-        if sparse and name != "bench_generate_batch64":
-            key = "decode sparse tok/s batch 1 (worst context and variant)"
-            got[key] = min(sparse + ([got[key]] if key in got else []))
-        elif sparse:
-            got["decode sparse tok/s batch 64 (worst variant)"] = min(sparse)
-        pre_s = {(x["variant"], x["context"]): x["prefill_s"] for x in doc["results"] if "prefill_s" in x}
-        for T in (4096, 16384):
-            if ("dense", T) in pre_s and ("static", T) in pre_s:
-                got[f"prefill dense/sparse at {T}"] = pre_s["dense", T] / pre_s["static", T]
-        if ("static", 16384) in pre_s:
-            got["prefill sparse ms at 16384"] = pre_s["static", 16384] * 1e3
 
 
 def sweep(r: Runner, summary: dict) -> None:
@@ -357,10 +273,15 @@ def static(r: Runner, summary: dict) -> None:
     rows = summary.get("attention", {}).get("records", [])
     measured = {str(x["T"]): x["ms"] for x in rows
                 if x.get("path") == "integer" and x.get("mode") == "fwd+bwd" and x.get("ms")}
+    graph = {str(x["T"]): x["graph_ms"] for x in summary.get("op", {}).get("results", [])
+             if x.get("path") == "integer" and x.get("graph_ms")}            # bench op: device time alone
     summary["static_model"] = {
-        "estimate_ms": est["estimate_ms"], "measured_ms": measured,
+        "estimate_ms": est["estimate_ms"], "measured_ms": measured, "graph_ms": graph,
         "measured_over_estimate": {T: measured[T] / e for T, e in est["estimate_ms"].items() if T in measured},
+        "graph_over_estimate": {T: graph[T] / e for T, e in est["estimate_ms"].items() if T in graph},
         "thread_instructions_per_query_head_column": est["thread_instructions_per_query_head_column"]}
+    for T, ratio in summary["static_model"]["graph_over_estimate"].items():
+        summary.setdefault("ratios", {})[f"op graph ms / static estimate at {T}"] = ratio
 
 
 def verdicts(summary: dict, quick: bool = False) -> dict:
@@ -461,13 +382,13 @@ def main(argv=None) -> int:
                    help=f"seconds for the whole check ({MIN_BUDGET:g} to {MAX_BUDGET:g}, default 470)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a plumbing check (also on a CPU; goals not judged)")
-    p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,train_bench,training,"
+    p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,op,train_bench,training,"
                                                 "generate,cpu,sweep,static)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:            # --help (0) or a bad argument (2, its line printed)
         return exc.code if isinstance(exc.code, int) else 2
-    steps = {"tests": tests, "attention": attention, "train_bench": train_bench, "training": training,
+    steps = {"tests": tests, "attention": attention, "op": op, "train_bench": train_bench, "training": training,
              "generate": generate, "cpu": cpu, "sweep": sweep, "static": static}
     why = refusal(args, steps)
     out = None

@@ -39,12 +39,13 @@ import types
 
 import torch
 
+from ..checks import int_flag
 from ..config import ConfigError
 from ..devices import resolve_device
 from ..generation.decode import DecodeSession
 from ..generation.kvcache import layer_read_plan
 from ..generation.sampling import Sampling
-from ..generation.static import DECODE_MODES, StaticStep, resolve_decode
+from ..generation.static import DECODE_MODES, StaticStep, resolve_decode, rope_tables
 from ..model.lm import FibLM
 from ..presets import get_preset
 from ..threads import MAX_THREADS
@@ -91,6 +92,9 @@ def configure_parser(parser) -> None:
                         help="the decode step timed: eager | static | compiled (fibattn.generation.static; a CUDA "
                              "graph on CUDA) | auto (default: compiled on CUDA, eager elsewhere)")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1); tokens/s counts all")
+    parser.add_argument("--prefill-chunk", type=int_flag(1), default=None,
+                        help="prompt tokens per prefill pass (default 8192); with --decode compiled the prefill is "
+                             "compiled too (its compile run untimed)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -210,13 +214,25 @@ def _shallow(model: FibLM, layers: int):
 
 
 @torch.no_grad()
-def prefill_time(model: FibLM, length: int, layers: int) -> tuple[float, float, int]:
+def prefill_time(model: FibLM, length: int, layers: int, compiled: bool = False,
+                 chunk: int | None = None) -> tuple[float, float | None, int]:
     """Seconds to prefill ``length`` random tokens and, of those, seconds in the attention
-    core (both scaled to full depth), and the number of blocks run."""
+    core (both scaled to full depth; the core None when ``compiled``: it is inside the graphs), and the number
+    of blocks run. ``compiled``: through :meth:`DecodeSession.compile_prefill`, after one untimed run that
+    compiles the chunks' graphs. ``chunk``: prompt tokens per pass (default the session's)."""
     view, scale = _shallow(model, layers)
     device = model.embed.weight.device
     ids = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
-    session = DecodeSession(view, 1, length + 1)
+    if compiled:
+        for _ in range(2):              # the first run compiles: the second is timed
+            session = DecodeSession(view, 1, length + 1, prefill_chunk=chunk)
+            session.compile_prefill(rope_tables(session))
+            _sync(device)
+            t0 = time.perf_counter()
+            session.prefill([0], ids.to(device))
+            _sync(device)
+        return (time.perf_counter() - t0) * scale, None, len(view.blocks)
+    session = DecodeSession(view, 1, length + 1, prefill_chunk=chunk)
     core, spent = session._prefill_core, [0.0]
 
     def timed_core(*args):
@@ -246,17 +262,20 @@ def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill:
         if v != "dense":        # from this context on the distance sets (and rings) stop growing
             records[v, ctx]["full_set_context"] = full_set_context(models[v])
     reps = getattr(args, "prefill_reps", 3)
+    compiled, chunk = lat_mode == "compiled", getattr(args, "prefill_chunk", None)
     for v in variants if prefill else ():      # warm-up: kernel build / load, RoPE tables
         prefill_time(models[v], 64, args.prefill_layers)
     runs: dict = {(v, length): [] for length in prefill for v in variants}
     for _ in range(reps):              # interleaved: load from other processes hits every variant alike
         for length in prefill:
             for v in variants:
-                runs[v, length].append(prefill_time(models[v], length, args.prefill_layers))
+                runs[v, length].append(prefill_time(models[v], length, args.prefill_layers, compiled, chunk))
     for (v, length), got in runs.items():
         rec = records.setdefault((v, length), dict(shape=shape, variant=v, context=length))
         totals = [sec for sec, _, _ in got]
-        rec.update(prefill_s=statistics.median(totals), prefill_attn_s=statistics.median(c for _, c, _ in got),
+        cores = [c for _, c, _ in got if c is not None]
+        rec.update(prefill_s=statistics.median(totals), prefill_attn_s=statistics.median(cores) if cores else None,
+                   prefill_compiled=compiled,
                    prefill_s_min=min(totals), prefill_s_max=max(totals), prefill_reps=len(got),
                    prefill_threads=torch.get_num_threads(), prefill_layers_run=got[0][2],
                    n_layers=models[v].cfg.n_layers)
@@ -287,7 +306,9 @@ def ratios(records: list[dict]) -> dict:
                     got[f"learned_over_static_prefill_{c}"] = rec["learned", c]["prefill_s"] / r["prefill_s"]
                 if ("dense", c) in rec and "prefill_s" in rec["dense", c]:
                     got[f"dense_over_static_prefill_{c}"] = rec["dense", c]["prefill_s"] / r["prefill_s"]
-                    got[f"dense_over_static_prefill_attn_{c}"] = rec["dense", c]["prefill_attn_s"] / r["prefill_attn_s"]
+                    if r.get("prefill_attn_s") and rec["dense", c].get("prefill_attn_s"):
+                        got[f"dense_over_static_prefill_attn_{c}"] = (rec["dense", c]["prefill_attn_s"]
+                                                                      / r["prefill_attn_s"])
         out[shape] = got
     return out
 
@@ -314,7 +335,7 @@ def format_table(records: list[dict], rat: dict, candidates: list[int] | None = 
         thr = str(r["decode_threads"]) if "decode_threads" in r else "-"
         mib = f"{r['cache_bytes'] / 2**20:.2f}" if "cache_bytes" in r else "-"
         pre = f"{r['prefill_s']:.2f}" if "prefill_s" in r else "-"
-        core = f"{r['prefill_attn_s']:.2f}" if "prefill_attn_s" in r else "-"
+        core = f"{r['prefill_attn_s']:.2f}" if r.get("prefill_attn_s") is not None else "-"
         if "prefill_s" in r and r["prefill_layers_run"] < r["n_layers"]:
             pre += "*"
         lines.append(f"{r['shape']:<6} {r['variant']:<8} {r['context']:>8} {ms:>14} {tps:>9} {thr:>7} {mib:>10} "
@@ -344,7 +365,7 @@ def format_table(records: list[dict], rat: dict, candidates: list[int] | None = 
     return "\n".join(lines)
 
 
-def _check_fits(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> None:
+def check_fits(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> None:
     """Refuse contexts and prefill lengths that cannot fit, before any model is built: weights plus, per token,
     the dense model's full cache (when dense is measured) or a prefill's hidden states, keys and values."""
     m = model_config(shape, "dense")
@@ -373,7 +394,7 @@ def run(args) -> int:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     args.decode = resolve_decode(args.decode, torch.device(args.device))
     for shape in shapes:
-        _check_fits(shape, variants, contexts, prefill, args)
+        check_fits(shape, variants, contexts, prefill, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     args.decode_threads = candidates = thread_candidates(args.decode_threads, args.device)

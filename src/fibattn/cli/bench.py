@@ -1,11 +1,11 @@
-"""``fibattn bench attention|train|generate|hf-cache|context-parallel``: side-by-side speed ratios and cache sizes (see
+"""``fibattn bench attention|op|train|generate|hf-cache|hf-generate|context-parallel``: side-by-side speed ratios and cache sizes (see
 :mod:`fibattn.bench`)."""
 from __future__ import annotations
 
-from ..bench import attention, context_parallel, generate, hf_cache, train
+from ..bench import attention, context_parallel, generate, hf_cache, hf_generate, op_timing, train
 
 SUITES = {"attention": attention, "train": train, "generate": generate, "hf-cache": hf_cache,
-          "context-parallel": context_parallel}
+          "hf-generate": hf_generate, "op": op_timing, "context-parallel": context_parallel}
 
 
 def configure_parser(parser) -> None:

@@ -40,6 +40,9 @@ def configure_parser(parser) -> None:
     parser.add_argument("--decode", default="auto", choices=DECODE_MODES,
                         help="auto (default: compiled on CUDA, eager elsewhere) | eager | static (one shape per step, "
                              "a CUDA graph on CUDA) | compiled (static through torch.compile)")
+    parser.add_argument("--prefill-chunk", type=int_flag(1), default=None, metavar="N",
+                        help="prompt tokens per prefill pass (default 8192): a prompt of any length takes one "
+                             "chunk's activations")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="runtime model setting: model.reach, model.backend or model.max_seq_len")
 
@@ -80,7 +83,7 @@ def run(args, out=None) -> int:
     steps = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                      stop_ids=() if eos is None else (eos,), rope_scaling=kind, rope_factor=factor,
-                     decode=getattr(args, "decode", "auto"))
+                     decode=getattr(args, "decode", "auto"), prefill_chunk=getattr(args, "prefill_chunk", None))
     if kind != "none":
         sparse = any(layer.attention == "sparse" for layer in model.layers())
         log.info("fibattn generate: RoPE scaling %s, factor %s%s", kind,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..checks import UsageError, check_int
 from ..config import ModelConfig
@@ -122,12 +123,16 @@ def _check_caches_fit(model, plans, batch: int, context: int, dtype, device, fla
     check_sizes_fit(flag, [context], lambda c: rings + full * c, "the key/value caches", device)
 
 
+PREFILL_CHUNK = 8192      # prompt tokens per prefill pass by default: the activations of one chunk, at any length
+
+
 class DecodeSession:
-    """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``."""
+    """Caches and state for ``batch`` rows of a :class:`fibattn.model.lm.FibLM` up to ``context``; prompts are
+    prefilled ``prefill_chunk`` tokens at a time (default :data:`PREFILL_CHUNK`)."""
 
     def __init__(self, model, batch: int, context: int, *, dense_window: int | None = None,
                  rope_scaling=None, size_flag: str = "context (longest prompt + --max-new-tokens)",
-                 static: bool = False):
+                 static: bool = False, prefill_chunk: int | None = None):
         for name in ("embed", "blocks", "norm", "logits"):
             if not hasattr(model, name):
                 raise UsageError(f"generate needs a fibattn FibLM (missing .{name}), got {type(model).__name__}")
@@ -156,6 +161,12 @@ class DecodeSession:
                 cache = RingCache(*dims, min(plan.span, context), dtype=self.dtype, device=self.device)
             self.layers.append(LayerState.build(plan, cache, self.device))
         self.pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self.prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else check_int("prefill_chunk", prefill_chunk, 1)
+        self._chunk_fn = self._forward_chunk
+        self._tables = [None] * len(model.blocks)             # RoPE tables of a compiled prefill (compile_prefill)
+        # a learned layer's rungs at the context, read from alpha once (not in every prefill, nor in a traced one)
+        self._bases = {id(b.attn): learned_prefill_base(b.attn, context) for b in model.blocks
+                       if b.attn.attention == "sparse" and b.attn.learned}
 
     def _scaled(self):
         """The session's RoPE scaling, in force for one prefill or step (a no-op without one)."""
@@ -199,28 +210,86 @@ class DecodeSession:
             return attn.attend(q, k, v)
         if attn.attention == "dense" or not attn.learned:
             return sparse_attention(q, k, v, list(state.plan.entries), backend=attn.backend)
-        base = learned_prefill_base(attn, self.context)
+        base = self._bases[id(attn)]
         if not base:
             return sparse_attention(q, k, v, list(state.plan.first), backend=attn.backend)
         return interpolated_sparse_attention(q, k, v, alpha=attn.alpha_tensor(), base=base, window=attn.window,
                                              backend=attn.backend)
 
-    def prefill(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
-        """Run prompts ``ids`` ``(b, T)`` (one length) into batch rows ``rows``; last logits ``(b, V)``."""
-        model = self.model
-
-        def attend(attn, h, state):
-            q, k, v = attn.qkv(h, 0)
-            for j, row in enumerate(rows):
-                state.cache.fill(row, k[j:j + 1], v[j:j + 1])
+    def _chunk_core(self, attn, state: LayerState, q, k, v, before):
+        """The attention of a prompt chunk's queries ``q`` over the cached rows ``before`` it (``(b, Hkv, n, 2Dh)``,
+        None for the first chunk) and its own keys ``k``: the chunk's ``(b, H, C, Dh)``. The op runs on
+        ``[before; chunk]`` with zero queries ahead (their rows are dropped): every column a query reads lies in
+        it, so the result is the whole prompt's, chunk by chunk (as context parallelism's halo, method.md §9)."""
+        if before is None:
             return self._prefill_core(attn, state, q, k, v)
+        n, Dh = before.shape[2], k.shape[-1]
+        k = torch.cat([before[..., :Dh].to(k.dtype), k], dim=2)
+        v = torch.cat([before[..., Dh:].to(v.dtype), v], dim=2)
+        if state.plan is None:                      # dense: every earlier row, causal inside the chunk
+            L = k.shape[2]
+            mask = torch.arange(n, L, device=q.device)[:, None] >= torch.arange(L, device=q.device)[None, :]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        q = torch.cat([q.new_zeros(*q.shape[:2], n, Dh), q], dim=2)
+        return self._prefill_core(attn, state, q, k, v)[:, :, n:]
 
-        x = model.embed(ids.to(self.device))
+    def compile_prefill(self, tables: list) -> None:
+        """Prefill through ``torch.compile(fullgraph=True)``, RoPE from ``tables`` (one per block, covering the
+        context; ``static.rope_tables``) at positions given as a device tensor: one graph for a prompt's first
+        chunk, one for its middle chunks and one for a shorter last chunk, whatever their positions (a dense
+        layer's growing prefix is marked dynamic, the rings' is fixed)."""
+        self._tables = tables
+        traced = torch.compile(self._forward_chunk, fullgraph=True)
+
+        def chunk_fn(ids, at, befores):
+            # sizes that happen to be equal (a dense prefix of one chunk's length) are not the same size
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return traced(ids, at, befores)
+        self._chunk_fn = chunk_fn
+
+    def _forward_chunk(self, ids: torch.Tensor, at, befores: list):
+        """One prompt chunk ``ids`` ``(b, C)`` at positions ``at`` (an int, the first one; or, compiled, a ``(C,)``
+        device tensor): the last position's logits ``(b, V)`` and each layer's new keys/values (the caller writes
+        them), nothing else changed (what ``compiled`` traces)."""
+        model, written = self.model, []
+
+        def attend(attn, h, state, before, table):
+            q, k, v = attn.qkv(h, at) if table is None else attn.qkv_rows(h, at, table)
+            written.append((k, v))
+            return self._chunk_core(attn, state, q, k, v, before)
+
+        x = model.embed(ids)
+        for block, state, before, table in zip(model.blocks, self.layers, befores, self._tables):
+            x = block(x, attend=lambda attn, h, state=state, before=before, table=table:
+                      attend(attn, h, state, before, table))
+        return model.logits(model.norm(x[:, -1:]))[:, 0].float(), written
+
+    @torch.no_grad()
+    def prefill(self, rows: list[int], ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Run prompts ``ids`` ``(b, T)`` (one length) into batch rows ``rows``; last logits ``(b, V)``.
+
+        The prompt goes through ``chunk`` tokens at a time (default :attr:`prefill_chunk`): each chunk reads the
+        cached rows before it and leaves its own in the caches, so a prompt of any length takes the memory of
+        one chunk, with the logits of one pass."""
+        chunk = self.prefill_chunk if chunk is None else check_int("chunk", chunk, 1)
+        ids = ids.to(self.device)
+        T = ids.shape[1]
+        compiled = self._tables[0] is not None
         with self._scaled():
-            for block, state in zip(model.blocks, self.layers):
-                x = block(x, attend=lambda attn, h, state=state: attend(attn, h, state))
-        self.pos[rows] = ids.shape[1] - 1
-        return model.logits(model.norm(x[:, -1:]))[:, 0].float()
+            for start in range(0, T, chunk):
+                befores = [None if start == 0 else s.cache.before(rows, start) for s in self.layers]
+                at = start
+                if compiled:
+                    at = torch.arange(start, min(T, start + chunk), device=self.device)
+                    for state, before in zip(self.layers, befores):
+                        if before is not None and state.plan is None:        # a dense layer's whole prefix
+                            torch._dynamo.maybe_mark_dynamic(before, 2)
+                logits, written = self._chunk_fn(ids[:, start:start + chunk].contiguous(), at, befores)
+                for state, (k, v) in zip(self.layers, written):
+                    for j, row in enumerate(rows):
+                        state.cache.fill(row, k[j:j + 1], v[j:j + 1], start)
+        self.pos[rows] = T - 1
+        return logits
 
     def prefill_rows(self, rows: list[list[int]]) -> torch.Tensor:
         """Every prompt into its batch row (rows of one length together); the last logits ``(B, V)``."""
@@ -264,7 +333,7 @@ class DecodeSession:
 def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed=None, stop_ids: Sequence[int] = (), context: int | None = None,
              dense_window: int | None = None, rope_scaling=None, rope_factor: float | None = None,
-             decode: str = "auto") -> Iterator[GenerationStep]:
+             decode: str = "auto", prefill_chunk: int | None = None) -> Iterator[GenerationStep]:
     """Stream new tokens for one prompt or a batch of prompts of any lengths.
 
     Yields one :class:`GenerationStep` per step until every row has hit a ``stop_ids``
@@ -278,9 +347,11 @@ def generate(model, prompt_ids, *, max_new_tokens: int = 128, temperature: float
     ``compiled`` (``static`` through ``torch.compile(fullgraph=True)``) or ``auto`` (``compiled`` on CUDA,
     ``eager`` elsewhere; :mod:`fibattn.generation.static`). Streaming reads each step's tokens back once;
     under ``static`` / ``compiled`` a step's ``logits`` are the step's buffer, overwritten by the next step.
+    ``prefill_chunk``: prompt tokens per prefill pass (default :data:`PREFILL_CHUNK`; a prompt of any length then
+    takes one chunk's activations, with the same logits).
     """
     return _stream(_prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, context,
-                            dense_window, rope_scaling, rope_factor, decode))
+                            dense_window, rope_scaling, rope_factor, decode, prefill_chunk))
 
 
 @dataclass
@@ -295,7 +366,7 @@ class _Job:
 
 
 def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, context, dense_window,
-             rope_scaling, rope_factor, decode) -> _Job:
+             rope_scaling, rope_factor, decode, prefill_chunk=None) -> _Job:
     """:func:`generate`'s arguments checked, before the first token; the session built."""
     vocab = model.embed.weight.shape[0] if hasattr(model, "embed") else None
     if vocab is None:
@@ -317,7 +388,7 @@ def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
     generators = _generators(seed, len(rows))
     mode = resolve_decode(decode, model.embed.weight.device)
     session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling,
-                            static=mode != "eager")
+                            static=mode != "eager", prefill_chunk=prefill_chunk)
     return _Job(session, rows, max_new_tokens, sampling, generators, stops, mode)
 
 

@@ -124,12 +124,19 @@ class RingCache(_KV):
         self.kv = torch.zeros(batch, n_kv, span, 2 * head_dim, dtype=dtype, device=device)
         self.span = span
 
-    def fill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's keys/values ``(1, Hkv, T, Dh)`` (positions ``0..T-1``) in ``row``."""
+    def fill(self, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store a prompt's keys/values ``(1, Hkv, T, Dh)`` (positions ``start..start+T-1``) in ``row``."""
         T = k.shape[2]
-        start = max(0, T - self.span)
-        slots = torch.arange(start, T, device=k.device) % self.span
-        self.kv[row][:, slots] = torch.cat([k[0, :, start:], v[0, :, start:]], dim=-1).to(self.kv.dtype)
+        first = max(0, T - self.span)                   # only the last span of them stay
+        slots = torch.arange(start + first, start + T, device=k.device) % self.span
+        self.kv[row][:, slots] = torch.cat([k[0, :, first:], v[0, :, first:]], dim=-1).to(self.kv.dtype)
+
+    def before(self, rows: list[int], start: int) -> torch.Tensor:
+        """The cached rows of positions ``[start - n, start)`` of batch rows ``rows``, ``n = min(start, span)``
+        (what a prompt's chunk from ``start`` on reads): ``(len(rows), Hkv, n, 2 * Dh)``."""
+        n = min(start, self.span)
+        slots = torch.arange(start - n, start, device=self.kv.device) % self.span
+        return self.kv[rows][:, :, slots]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store one new key/value ``(B, Hkv, 1, Dh)`` per row at positions ``pos``."""
@@ -164,11 +171,15 @@ class FullCache(_KV):
             pad = self.kv.new_zeros(*self.kv.shape[:2], new - have, self.kv.shape[3])
             self.kv = torch.cat([self.kv, pad], dim=2)
 
-    def fill(self, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        T = k.shape[2]
-        self._ensure(T)
-        self.kv[row, :, :T] = torch.cat([k[0], v[0]], dim=-1).to(self.kv.dtype)
-        self.length = max(self.length, T)
+    def fill(self, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        end = start + k.shape[2]
+        self._ensure(end)
+        self.kv[row, :, start:end] = torch.cat([k[0], v[0]], dim=-1).to(self.kv.dtype)
+        self.length = max(self.length, end)
+
+    def before(self, rows: list[int], start: int) -> torch.Tensor:
+        """Every cached row before position ``start`` of batch rows ``rows``: ``(len(rows), Hkv, start, 2 * Dh)``."""
+        return self.kv[rows][:, :, :start]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, max_pos: int) -> None:
         self._ensure(max_pos + 1)

@@ -8,7 +8,8 @@ rows' ``done`` flags, this step's uniform draws ``u`` ``(B,)`` and the logits ``
 :meth:`StaticStep.advance` moves every row one position on at its own position (ragged batches need no
 grouping), applies RoPE from a table indexed on the device, attends (:func:`attend_static`), samples
 (:func:`~fibattn.generation.sampling.pick`, the draws of each row's generator made ahead on the host) and
-marks rows that drew a stop token. ``compiled`` traces it with ``torch.compile(fullgraph=True)``; on CUDA the
+marks rows that drew a stop token. ``compiled`` traces it with ``torch.compile(fullgraph=True)`` (and the prompt's prefill, chunk by chunk:
+:meth:`~fibattn.generation.decode.DecodeSession.compile_prefill`); on CUDA the
 step (compiled or not) is captured once in a ``torch.cuda.CUDAGraph`` and replayed per token: its launches
 cost one call, and the replay allocates nothing. The eager :meth:`DecodeSession.step` stays the reference.
 """
@@ -46,6 +47,20 @@ def resolve_decode(how: str, device: torch.device) -> str:
     return how
 
 
+def rope_tables(session) -> list:
+    """Each block's RoPE table over the whole context (scaling included), built once and shared by layers of one
+    RoPE (256 MB at a 1M context): indexed on the device by the static step and the compiled prefill."""
+    shared: dict = {}
+    tables = []
+    with session._scaled():
+        for rope in (b.attn.rope for b in session.model.blocks):
+            key = (rope.theta, rope.head_dim, rope.scaling)
+            if key not in shared:
+                shared[key] = rope.rotations(session.context, session.device)
+            tables.append(shared[key])
+    return tables
+
+
 class StaticStep:
     """The captured step of a :class:`fibattn.generation.decode.DecodeSession` built with ``static=True``."""
 
@@ -55,14 +70,9 @@ class StaticStep:
         self.session, self.sampling = session, sampling
         B, dev = session.batch, session.device
         vocab = session.model.embed.weight.shape[0]
-        shared: dict = {}                     # one table for layers of one RoPE (256 MB at a 1M context)
-        self.tables = []
-        with session._scaled():               # RoPE scaling lives in the tables, built once
-            for rope in (b.attn.rope for b in session.model.blocks):
-                key = (rope.theta, rope.head_dim, rope.scaling)
-                if key not in shared:
-                    shared[key] = rope.rotations(session.context, dev)
-                self.tables.append(shared[key])
+        self.tables = rope_tables(session)
+        if compiled:
+            session.compile_prefill(self.tables)
         self.tok = torch.zeros(B, dtype=torch.long, device=dev)
         self.done = torch.zeros(B, dtype=torch.bool, device=dev)
         self.u = torch.zeros(B, dtype=torch.float64, device=dev)

@@ -82,10 +82,8 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
 def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     """Write ``out_dir`` as a transformers folder: remote code for a sparse model (settings in
     ``config.fibattn``), a plain Llama for a dense one."""
-    transformers = _require()
+    _require()
     from ..files import check_creatable, give_usual_modes, make_parents
-    from .hf_llama import apply_fibattn
-    from ..model.attention import config_base
     out = check_creatable(out_dir, "the export folder (OUT)")
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"OUT {out} is not empty; --format hf writes a new folder (choose an empty or new one)")
@@ -95,6 +93,25 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     if m.attention == "sparse" and m.schedule == "learned":
         raise UsageError("--format hf: a learned-alpha model attends interpolated distances, which the transformers "
                          "drop-in does not; export it in fibattn's format (the default)")
+    make_parents(out)                         # a new exports/ gets a .gitignore of "*"
+    sparse = save_model(model, out, tokenizer)
+    c = Checkpoint.open(ckpt)
+    (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
+                                            files=SPARSE_FILES if sparse else DENSE_FILES, library="transformers",
+                                            tags=("llama", "custom_code") if sparse else ("llama",)))
+    source = {"run": cfg.name, "step": c.step, "fibattn_model": to_dict(m)}
+    (out / "fibattn_source.json").write_text(json.dumps(source, indent=1) + "\n")
+    give_usual_modes(out)                     # save_pretrained leaves model.safetensors 0600
+    return out
+
+
+def save_model(model, out: Path, tokenizer=None) -> bool:
+    """``model`` (a FibLM, static distances) as a transformers folder ``out`` (existing): remote code when sparse
+    (returned True), a plain Llama when dense; its tokenizer files when given."""
+    transformers = _require()
+    from .hf_llama import apply_fibattn
+    from ..model.attention import config_base
+    m = model.cfg
     hf_cfg = transformers.LlamaConfig(
         vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.ffn_hidden, num_hidden_layers=m.n_layers,
         num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, max_position_embeddings=m.max_seq_len,
@@ -107,7 +124,6 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     if sparse:
         apply_fibattn(llama, window=m.window, base=config_base(m), schedule="custom", alphas=model.alphas(),
                       reach_len=m.seq_len if m.reach == "train" else None)
-    make_parents(out)                         # a new exports/ gets a .gitignore of "*"
     with _no_progress_bar(transformers):      # a bar over one shard file says nothing; the CLI says what it wrote
         llama.save_pretrained(out)
     if sparse:
@@ -115,14 +131,7 @@ def export_hf(run_dir, out_dir, *, step="latest") -> Path:
     if tokenizer is not None:
         for name, data in hf_tokenizer_files(tokenizer).items():
             (out / name).write_bytes(data)
-    c = Checkpoint.open(ckpt)
-    (out / "README.md").write_text(run_card(run_dir, model, cfg, c, load=SPARSE_LOAD if sparse else DENSE_LOAD,
-                                            files=SPARSE_FILES if sparse else DENSE_FILES, library="transformers",
-                                            tags=("llama", "custom_code") if sparse else ("llama",)))
-    source = {"run": cfg.name, "step": c.step, "fibattn_model": to_dict(m)}
-    (out / "fibattn_source.json").write_text(json.dumps(source, indent=1) + "\n")
-    give_usual_modes(out)                     # save_pretrained leaves model.safetensors 0600
-    return out
+    return sparse
 
 
 def _as_remote_code(out: Path) -> None:

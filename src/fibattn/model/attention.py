@@ -185,6 +185,12 @@ class FibAttention(nn.Module):
         q, k, v = self._project(x)
         return self.rope(q, offset), self.rope(k, offset), v
 
+    def qkv_rows(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor):
+        """:meth:`qkv` of rows ``x`` ``(B, T, C)`` at positions ``positions`` ``(T,)`` (a device tensor), RoPE from
+        ``table``."""
+        q, k, v = self._project(x)
+        return self.rope.rotate_rows(q, positions, table), self.rope.rotate_rows(k, positions, table), v
+
     def qkv_at(self, x: torch.Tensor, pos: torch.Tensor, table: torch.Tensor):
         """:meth:`qkv` of one token per row ``x`` ``(B, 1, C)`` at per-row positions ``pos`` ``(B,)`` (a device
         tensor), RoPE from ``table`` (``rope.rotations`` covering them)."""

@@ -182,6 +182,11 @@ class RotaryEmbedding(nn.Module):
         position (a captured decode step)."""
         return _rotate(x, table[pos].unsqueeze(1).unsqueeze(1))
 
+    def rotate_rows(self, x: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """RoPE for ``x`` ``(B, H, T, Dh)`` whose rows sit at ``positions`` ``(T,)`` (a device tensor), from a table
+        of :meth:`rotations` covering them: one shape wherever the rows are (a traced prefill chunk)."""
+        return _rotate(x, table[positions])
+
     @contextlib.contextmanager
     def scaled(self, scaling: RopeScaling | None):
         """``scaling`` in force for the duration of the ``with`` (None: plain RoPE), then the old one."""
