@@ -278,9 +278,9 @@ def test_generate_repeats_prefill_and_labels_threads(monkeypatch, one_thread):
     calls = []
     real = bg.prefill_time
 
-    def counted(model, length, layers):
+    def counted(model, length, layers, *more):
         calls.append((model.cfg.attention, length))
-        return real(model, length, layers)
+        return real(model, length, layers, *more)
 
     monkeypatch.setattr(bg, "prefill_time", counted)
     args = types.SimpleNamespace(device="cpu", dtype="float32", steps=1, reps=1, decode_threads=[1],

@@ -207,14 +207,15 @@ def sweep(r: Runner, summary: dict) -> None:
     """Block rows x warps at T=16384: the data for choosing ``triton_backend.config`` on this GPU."""
     T = "256" if r.quick else "16384"
     results = []
-    for bm, warps in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
-        env = {"FIBATTN_TRITON_BLOCK_M": str(bm), "FIBATTN_TRITON_WARPS": str(warps)}
-        out = r.run(f"sweep_m{bm}_w{warps}", _fibattn("bench", "attention", "--device", r.device, "--json",
+    for bm, warps, regs in ((16, 4, 0), (16, 4, 168), (16, 8, 0), (32, 4, 0), (32, 8, 0), (64, 8, 0)):
+        env = {"FIBATTN_TRITON_BLOCK_M": str(bm), "FIBATTN_TRITON_WARPS": str(warps),
+               "FIBATTN_TRITON_MAXNREG": str(regs)}       # 168: 3 programs per SM (the static model's pick)
+        out = r.run(f"sweep_m{bm}_w{warps}_r{regs}", _fibattn("bench", "attention", "--device", r.device, "--json",
                                                       "--paths", "integer,interpolated", "--no-memory",
                                                       "--lengths", T, "--forward-lengths", ""), 60, env)
         for x in _json_lines(out):
             if "path" in x:
-                results.append({"BLOCK_M": bm, "num_warps": warps, "path": x["path"], "ms": x["ms"]})
+                results.append({"BLOCK_M": bm, "num_warps": warps, "maxnreg": regs, "path": x["path"], "ms": x["ms"]})
     summary["sweep"] = results
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 
 from ..checks import UsageError
@@ -102,7 +103,35 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bn = min(64, max(16, _pow2(bm + window)))
     warps = 4 if bg * bm <= 64 else 8
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, RB=2,
-                num_warps=_env_int("FIBATTN_TRITON_WARPS", warps), num_stages=2)
+                num_warps=_env_int("FIBATTN_TRITON_WARPS", warps), num_stages=2, **register_cap())
+
+
+MAXNREG = 0        # no cap by default (168 would fit 3 programs of 4 warps per SM: 65536 / (168 x 128))
+
+
+def register_cap() -> dict:
+    """``{"maxnreg": N}``, the registers a thread may use (``FIBATTN_TRITON_MAXNREG``, 0 for no cap; default
+    :data:`MAXNREG`), where this Triton takes it. At 178-241 registers the interpolated kernels fit 2 programs
+    per SM, 2 warps per scheduler: ``tools/gpu_static.py``'s model, calibrated on the H200's times, puts them
+    1.5x faster at 168 registers (3 per scheduler), but ptxas then spills 16-72 bytes, some of it inside the
+    loops, which the model does not price; the GPU check's sweep times both before it becomes the default."""
+    n = os.environ.get("FIBATTN_TRITON_MAXNREG")
+    try:
+        cap = MAXNREG if n is None else int(n)
+    except ValueError:
+        raise UsageError(f"FIBATTN_TRITON_MAXNREG must be a register count (0: none), got {n!r}") from None
+    if cap < 0 or cap > 255:
+        raise UsageError(f"FIBATTN_TRITON_MAXNREG must be from 0 to 255, got {cap}")
+    return {"maxnreg": cap} if cap and _takes_maxnreg() else {}
+
+
+@functools.lru_cache(maxsize=1)
+def _takes_maxnreg() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 # ----------------------------------------------------------------------------- columns
@@ -193,6 +222,13 @@ def _s3(x):
 
 
 # ----------------------------------------------------------------------------- the op interface
+def split(x: float) -> tuple[float, float]:
+    """``x`` as two float32 values ``hi + lo`` (a kernel's float argument is float32; ``_scale`` adds them back in
+    float64 for float64 inputs, so their scale is not rounded to float32)."""
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
+
+
 def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -212,17 +248,21 @@ def _launch(q, hkv, wb, trace: bool = False):
     setting when eager (the host's time per call is the op's cost below ~16K; the settings are read each
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
-    key = (env.get("FIBATTN_TRITON_BLOCK_M"), env.get("FIBATTN_TRITON_WARPS"), env.get("TRITON_INTERPRET"))
+    key = tuple(env.get(k) for k in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG",
+                                      "TRITON_INTERPRET"))
     if trace:                     # symbolic sizes: nothing to cache
-        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key)
+        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, True)
     return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(shape, dtype, hkv: int, wb: int, _settings):
+def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, trace: bool = False):
     B, H, T, D = shape
     cfg = config(H // hkv, D, max(wb, 0))
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    cap = cfg.pop("maxnreg", None)
+    if cap and not trace and not interpreting():
+        opts["maxnreg"] = cap       # a traced launch leaves it out: the compiler's wrapper would pass it as an argument
     # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
     dot = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
     dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), **cfg)
@@ -252,7 +292,8 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     flags = _row_flags(k, v, trace)
     _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
                                                  *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
-                                                 scale * LOG2E, TWO_TAP=two, HAS_DOCS=off is not None, **dims, **opts)
+                                                 *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
+                                                 **dims, **opts)
     return out, lse
 
 
@@ -278,12 +319,13 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     flags = _row_flags(k, v, trace)
     _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
                                                rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
-                                               T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
-                                               NEED_DFRAC=need, HAS_DOCS=docs, **dims, **opts)
+                                               T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E), *split(scale),
+                                               TWO_TAP=two, NEED_DFRAC=need, HAS_DOCS=docs, **dims, **opts)
     _launcher(kern.bwd_dkdv_kernel, trace)[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
                                                  off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                                                 T, R, wb, hkv, H, H // hkv, D, scale * LOG2E, scale, TWO_TAP=two,
-                                                 HAS_DOCS=docs, BLOCK_X=_block_x(dims["BLOCK_G"]), **dims, **opts)
+                                                 T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E), *split(scale),
+                                                 TWO_TAP=two, HAS_DOCS=docs, BLOCK_X=_block_x(dims["BLOCK_G"]), **dims,
+                                                 **opts)
     da = None
     if need_dalpha:
         if need:
@@ -315,7 +357,8 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     import triton.language as tl
     kern = kernels()
     cfg = config(group, head_dim, window)
-    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"),
+                **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
@@ -345,7 +388,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
                       **({} if docs else {"OFF": None}))          # no documents: launched with off=None
         sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
                for a in fn.arg_names}
-        sig.update({a: "fp32" for a in ("qk_scale", "sm_scale") if a in sig})
+        sig.update({a: "fp32" for a in ("qk_scale", "sm_scale", "qk_lo", "sm_lo") if a in sig})
         # what the JIT specializes at launch: 16-byte aligned pointers, integers divisible by 16
         # (the strides and Dh of the goal setting; T is never specialized)
         aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(fn.arg_names)

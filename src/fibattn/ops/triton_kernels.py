@@ -119,6 +119,16 @@ def flags_kernel(K, V, FLAGS, skb, skh, skt, svb, svh, svt, T, HKV, DH, BLOCK_R:
 
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
+def _scale(hi, lo, ACC: tl.constexpr):
+    """A scale passed as two float32 numbers (a Python float argument is typed float32): ``hi`` alone for float32
+    accumulation, ``hi + lo`` in float64 — the float64 scale to 2**-48 — for float64 inputs."""
+    if ACC == tl.float64:
+        return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+    else:
+        return hi
+
+
+@triton.jit
 def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
     """This program's batch ``b``, key/value head ``hk``, first row ``i0``, and per tile row
     ``r``: its position in the tile ``m``, its query head ``h`` and whether it exists."""
@@ -135,11 +145,12 @@ def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit(do_not_specialize=["T", "WB"])
 def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-               T, WB, HKV, H, GROUP, DH, qk_scale,
+               T, WB, HKV, H, GROUP, DH, qk_scale, qk_lo,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, RB: tl.constexpr):
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
+    qk_scale = _scale(qk_scale, qk_lo, ACC)
     i = i0 + m
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
@@ -197,7 +208,7 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
 @triton.jit(do_not_specialize=["T", "R", "WB"])
 def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
-                  sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
+                  sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                   TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr,
                   IN: tl.constexpr, DOT: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -205,6 +216,7 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
     """By query tile: ``delta = rowsum(dout * out)`` (stored for the key pass), ``dq``, the
     rungs' ``P`` and ``dS`` per (row, head, rung), and the per-program sums of d loss / d frac."""
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
+    qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     i = i0 + m
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
@@ -274,7 +286,7 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
 def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN, OFF,
                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                    T, R, WB, HKV, H, GROUP, DH, qk_scale, sm_scale,
+                    T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_N: tl.constexpr, RB: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -286,6 +298,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     b = (tl.program_id(1) // HKV).to(tl.int64)
     hk = tl.program_id(1) % HKV
     j0 = tl.program_id(0) * BLOCK_M
+    qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
     kr = j0 + tl.arange(0, BLOCK_M)
