@@ -212,3 +212,16 @@ def test_run_config_writer(tmp_path, recorder):
     C.save(C.RunConfig(name="x"), tmp_path / "config.json")
     assert json.loads((tmp_path / "config.json").read_text())["name"] == "x"
     assert recorder.renamed_to("config.json") and recorder.problems() == []
+
+
+def test_the_cpu_kernel_library_build(tmp_path, recorder):
+    """The compiled CPU kernels are loaded by name from a cache folder: the library is on disk before it is
+    renamed into place (a crash never leaves a torn file that the next process would load)."""
+    import shutil
+    from fibattn.ops import cpu_backend
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no gcc")
+    recorder.start()
+    cpu_backend._compile(compiler, tmp_path / "lib.so")
+    assert recorder.renamed_to("lib.so") and recorder.problems() == [], "\n".join(recorder.problems())

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import UsageError
-from ..files import make_private_file, not_private, private_folder, temporary_private_folder
+from ..files import fsync_dir, make_private_file, not_private, private_folder, temporary_private_folder
 from .columns import compute_dtype, host_interface
 from .host_pages import huge_empty
 
@@ -134,7 +134,13 @@ def _compile(compiler: str, target: Path) -> None:
         lib = str(Path(tmp) / target.name)
         _run([[compiler, *_LDFLAGS, "-o", lib, *objs, "-lm"]])
         make_private_file(lib)
+        fd = os.open(lib, os.O_RDONLY)          # on disk before it is renamed into place: a crash leaves the old
+        try:                                    # library or the whole new one, never a torn file that loads
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(lib, target)
+        fsync_dir(target.parent)
 
 
 def _private_target(target: Path) -> Path:
