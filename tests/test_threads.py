@@ -77,3 +77,24 @@ def test_bench_train_times_the_default_beside_a_chosen_count(monkeypatch, capsys
     assert [(r["threads_asked"], r["threads"]) for r in doc["rows"]] == [(0, 2), (1, 1)]
     assert bt.thread_summary(doc["rows"], [0, 1]).splitlines()[1] == "  T=64: 1 thread: dense 0.50x, sparse 0.50x"
     assert main(["bench", "train", "--threads", "1,1"]) == 2 and "twice" in capsys.readouterr().err
+
+
+def test_a_resume_with_threads_auto_keeps_the_count_the_checkpoint_was_written_with():
+    """PyTorch's CPU reductions split by thread: a resume is bit for bit only on the run's own count, so with
+    train.threads auto the checkpoint's count is taken back; a count given, a GPU run or an older checkpoint (no
+    count) keep today's choice."""
+    import types
+
+    from fibattn.config import TrainConfig
+    from fibattn.trainer.setup import keep_threads
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), is_main=True)
+    torch.set_num_threads(1)
+    keep_threads(TrainConfig(threads=0), 2, cpu)
+    assert torch.get_num_threads() == 2
+    for t, saved, dist in ((TrainConfig(threads=1), 3, cpu), (TrainConfig(threads=0), None, cpu),
+                           (TrainConfig(threads=0), True, cpu), (TrainConfig(threads=0), 10 ** 9, cpu),
+                           (TrainConfig(threads=0), 3, types.SimpleNamespace(device=torch.device("cuda"),
+                                                                             is_main=True))):
+        torch.set_num_threads(1)
+        keep_threads(t, saved, dist)
+        assert torch.get_num_threads() == 1, (t.threads, saved)

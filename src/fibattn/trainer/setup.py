@@ -19,7 +19,7 @@ from .. import validation as V
 from ..config import ConfigError, RunConfig
 from ..files import make_parents
 from ..model.head_loss import logit_rows
-from ..threads import use_threads
+from ..threads import MAX_THREADS, use_threads
 from . import distributed as D
 from .logs import is_metrics_log
 
@@ -205,6 +205,19 @@ def set_threads(t: C.TrainConfig, dist: D.DistInfo) -> None:
     """train.threads, or the free cores shared among this node's processes (:mod:`fibattn.threads`)."""
     shared = dist.distributed and dist.device.type == "cpu"
     use_threads(t.threads, "train.threads", dist.local_world_size if shared else 1, tell=dist.is_main)
+
+
+def keep_threads(t: C.TrainConfig, saved, dist: D.DistInfo) -> None:
+    """On a resume with ``train.threads`` auto, the thread count the checkpoint was written with (PyTorch's CPU
+    reductions split by thread, so another count changes the last bits: a resume stays bit for bit only on
+    the run's own count); a count given, a GPU run or an older checkpoint keep today's choice."""
+    if t.threads or dist.device.type != "cpu" or isinstance(saved, bool) or not isinstance(saved, int) \
+            or not 1 <= saved <= MAX_THREADS or saved == torch.get_num_threads():
+        return
+    torch.set_num_threads(saved)
+    if dist.is_main:
+        log.info("fibattn: train.threads auto -> %d CPU thread%s, as the checkpoint was written (the same bits as "
+                 "the run; train.threads=N chooses)", saved, "s" if saved != 1 else "")
 
 
 def seed_all(seed: int) -> None:

@@ -53,7 +53,7 @@ from .pace import Pace, estimate_lines
 from .throughput import announce, eval_line, mfu
 from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, compile_cache, compile_wanted,
                     document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, run_lock_path, seed_all,
-                    sequences_per_rank, set_threads, tokenizer_file, warn_disk_space)
+                    keep_threads, sequences_per_rank, set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -131,6 +131,7 @@ class Trainer:
                        dist=self.dist)
         self.step, self.tokens = int(tr["step"]), int(tr["tokens"])
         self.skipped, self.bad, self.elapsed = int(tr["skipped"]), int(tr["bad"]), float(tr["elapsed"])
+        keep_threads(self.cfg.train, tr.get("threads"), self.dist)
         # the loss window of the steps since the last progress line: continued when nothing changed (the log
         # then equals an uninterrupted run's), restarted when settings changed (the marker record keeps its mean)
         saved_window = S.saved_window(tr.get("window"))
@@ -212,7 +213,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         state = {"tokens": self.tokens, "skipped": self.skipped, "bad": self.bad, "elapsed": self.elapsed,
-                 "window": dict(getattr(self, "window", None) or S.new_window())}
+                 "window": dict(getattr(self, "window", None) or S.new_window()), "threads": torch.get_num_threads()}
         return S.save(self.out, self.step, model=self.model, optimizer=self.opt, names=self.names,
                       loader=self.loader, trainer=state, cfg=self.cfg, dist=self.dist, keep=self.cfg.train.keep_ckpts,
                       tokenizer_file=self.tokenizer_file)
