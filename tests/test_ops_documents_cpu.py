@@ -70,8 +70,11 @@ def separately(q, k, v, dout, spec, alpha, splits, run=fwd_bwd):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32), (torch.float64, FP64)])
 @pytest.mark.parametrize("alpha", [None, 1.37, 1.0])
 @pytest.mark.parametrize("W", [0, 5])
-def test_packed_rows_equal_separate_documents(W, alpha, dtype, tol):
-    q, k, v, dout = make(B=len(SPLITS), H=4, Hkv=2, T=sum(SPLITS[0]), Dh=12, dtype=dtype, seed=W)
+@pytest.mark.parametrize("Dh", [12, 64])
+def test_packed_rows_equal_separate_documents(W, alpha, dtype, tol, Dh):
+    """Dh 12 runs the generic rows, 64 the vector rows (whose taps clamp at a document's start on their own
+    path: a rung whose first tap is a document's first row reads its second tap there too)."""
+    q, k, v, dout = make(B=len(SPLITS), H=4, Hkv=2, T=sum(SPLITS[0]), Dh=Dh, dtype=dtype, seed=W)
     spec, alpha = spec_for(W, alpha)
     got = fwd_bwd(q, k, v, dout, spec, alpha, positions(SPLITS))
     close(got, separately(q, k, v, dout, spec, alpha, SPLITS), **tol)
