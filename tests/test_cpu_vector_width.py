@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+import fibattn
 from fibattn.ops import cpu_backend
 from fibattn.ops.columns import ColumnSpec, host_columns
 
@@ -94,3 +95,20 @@ def test_other_width_keeps_large_scores_finite(width):
     scaled down as q is scaled up, so that dk keeps its size against the tolerance)."""
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=3)
     cpu_matches_reference(q * 80, k, v, dout / 80, 12, 1.37, doc_ids(1, 150, (40, 1)))
+
+
+def test_other_width_takes_each_rows_max_over_all_its_lanes(width):
+    """Two columns in a group's upper lanes (distances 8 and 9: lanes 8 and 9 of 16) far above every other
+    score and one logit apart: a row max taken over fewer lanes lets exp's range flatten their ratio."""
+    T, Dh = 64, 64
+    i = torch.arange(T)
+    q = torch.zeros(1, 1, T, Dh)
+    q[0, 0, i, i % 16] = 800.0                     # query i meets key i - 8 at 800 and key i - 9 at 792
+    k = torch.zeros(1, 1, T, Dh)
+    k[0, 0, i, (i + 8) % 16] = 1.0
+    k[0, 0, i, (i + 9) % 16] = 0.99
+    v = torch.randn(1, 1, T, Dh, generator=torch.Generator().manual_seed(5))
+    dists = list(range(13)) + [20, 30]
+    got = fibattn.sparse_attention(q, k, v, dists, backend="cpu")
+    want = fibattn.sparse_attention(*(x.double() for x in (q, k, v)), dists, backend="reference")
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
