@@ -27,9 +27,7 @@ a full forward pass at ``context`` inside ``rope_scaling_mode(model, kind, facto
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import numbers
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -38,12 +36,12 @@ import torch.nn.functional as F
 
 from ..checks import UsageError, check_int
 from ..config import ModelConfig
+from .arguments import check_caches_fit, keyword_arguments, prompt_rows, row_generators, session_scaling
 from .sampling import Sampling, sample
 from .static import collect_static, resolve_decode, static_steps
 from .kvcache import FullCache, LayerState, Positions, RingCache, attend_step, layer_read_plan, learned_prefill_base
 from ..ops import interpolated_sparse_attention, sparse_attention
 from ..ops.backends import check_model_runs
-from ..validation import check_sizes_fit
 
 log = logging.getLogger("fibattn")
 
@@ -61,43 +59,6 @@ class GenerationStep:
     logits: torch.Tensor
 
 
-def _prompt_rows(prompt_ids, vocab: int) -> list[list[int]]:
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() not in (1, 2):
-            raise UsageError(f"prompt_ids must be 1-D (T,) or 2-D (B, T), got shape {tuple(prompt_ids.shape)}")
-        prompt_ids = prompt_ids.tolist()
-    rows = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
-    if rows is None:
-        raise UsageError(f"prompt_ids must be a list of token ids, a list of such lists or a tensor, "
-                         f"got {type(prompt_ids).__name__}")
-    if not rows:
-        raise UsageError("prompt_ids is empty: give at least one token")
-    if not isinstance(rows[0], (list, tuple)):
-        rows = [rows]
-    out = []
-    for r, row in enumerate(rows):
-        row = list(row)
-        if not row:
-            raise UsageError(f"prompt_ids row {r} is empty: every prompt needs at least one token")
-        for t in row:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
-                raise UsageError(f"prompt_ids must hold integer token ids in [0, {vocab}), got {t!r} in row {r}")
-        out.append([int(t) for t in row])
-    return out
-
-
-def _generators(seed, batch: int) -> list[torch.Generator]:
-    if seed is None:
-        gens = [torch.Generator() for _ in range(batch)]
-        for g in gens:
-            g.seed()
-        return gens
-    seeds = [seed + r for r in range(batch)] if isinstance(seed, int) and not isinstance(seed, bool) else seed
-    if not isinstance(seeds, (list, tuple)) or len(seeds) != batch:
-        raise UsageError(f"seed must be an integer >= 0 or a list of {batch} such integers (one per row), got {seed!r}")
-    return [torch.Generator().manual_seed(check_int("seed", s, 0)) for s in seeds]
-
-
 # ----------------------------------------------------------------------------- the engine
 def _qkv_at(attn, h: torch.Tensor, groups):
     """The layer's own projections + RoPE for one new token per row at per-row positions."""
@@ -112,15 +73,6 @@ def _qkv_at(attn, h: torch.Tensor, groups):
             full[idx] = qkv[j]
         out.append(full)
     return out
-
-
-def _check_caches_fit(model, plans, batch: int, context: int, dtype, device, flag: str) -> None:
-    """Refuse a context whose full caches (grown on demand) will not fit, before the first token."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    row = [batch * b.attn.n_kv_heads * 2 * b.attn.head_dim * itemsize for b in model.blocks]
-    rings = sum(r * min(p.span, context) for r, p in zip(row, plans) if p is not None)
-    full = sum(r for r, p in zip(row, plans) if p is None)
-    check_sizes_fit(flag, [context], lambda c: rings + full * c, "the key/value caches", device)
 
 
 PREFILL_CHUNK = 8192      # prompt tokens per prefill pass by default: the activations of one chunk, at any length
@@ -150,7 +102,7 @@ class DecodeSession:
         if isinstance(getattr(model, "cfg", None), ModelConfig):    # a backend that cannot run: before the prompt
             check_model_runs(model.cfg, self.device, grad=False)
         plans = [layer_read_plan(block.attn, context, dense_window) for block in model.blocks]
-        _check_caches_fit(model, plans, batch, context, self.dtype, self.device, size_flag)
+        check_caches_fit(model, plans, batch, context, self.dtype, self.device, size_flag)
         for block, plan in zip(model.blocks, plans):
             attn = block.attn
             dims = (batch, attn.n_kv_heads, attn.head_dim)
@@ -373,7 +325,7 @@ def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
         raise UsageError(f"generate needs a fibattn FibLM, got {type(model).__name__}")
     check_int("max_new_tokens", max_new_tokens, 0)
     sampling = Sampling(temperature, top_k, top_p)
-    rows = _prompt_rows(prompt_ids, vocab)
+    rows = prompt_rows(prompt_ids, vocab)
     stops = set()
     for s in stop_ids or ():
         if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < vocab:
@@ -384,30 +336,12 @@ def _prepare(model, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
         context = need
     elif check_int("context", context, 1) < need:
         raise UsageError(f"context must be >= longest prompt + max_new_tokens = {need}, got {context}")
-    scaling = _scaling(model, rope_scaling, rope_factor, context)
-    generators = _generators(seed, len(rows))
+    scaling = session_scaling(model, rope_scaling, rope_factor, context)
+    generators = row_generators(seed, len(rows))
     mode = resolve_decode(decode, model.embed.weight.device)
     session = DecodeSession(model, len(rows), context, dense_window=dense_window, rope_scaling=scaling,
                             static=mode != "eager", prefill_chunk=prefill_chunk)
     return _Job(session, rows, max_new_tokens, sampling, generators, stops, mode)
-
-
-def _scaling(model, kind, factor, context: int):
-    """The :class:`fibattn.model.rope.RopeScaling` of ``generate``'s options (None: plain RoPE); reached
-    through the model's RoPE module, since this package sits below ``fibattn.model``."""
-    rope = model.blocks[0].attn.rope
-    named = isinstance(kind, str) and kind != "none"
-    if factor is not None and not named:
-        raise UsageError(f"rope_factor applies with rope_scaling linear, ntk or yarn (given as a name), "
-                         f"got rope_scaling={kind!r}, rope_factor={factor!r}")
-    if kind is None or isinstance(kind, rope.Scaling):
-        return kind
-    if not isinstance(kind, str) or kind not in rope.SCALING_KINDS:
-        raise UsageError(f"rope_scaling must be one of {', '.join(rope.SCALING_KINDS)}, got {kind!r}")
-    train_len = getattr(getattr(model, "cfg", None), "seq_len", None)
-    if named and train_len is None:
-        raise UsageError(f"rope_scaling {kind!r} needs the model's training length (model.cfg.seq_len)")
-    return rope.make_scaling(kind, train_len or 1, factor=factor, length=context)
 
 
 @torch.no_grad()
@@ -446,7 +380,7 @@ def _stream_static(job: _Job) -> Iterator[GenerationStep]:
 def generate_tokens(model, prompt_ids, **kwargs) -> list[list[int]]:
     """All new tokens per row (stop tokens included), as :func:`generate` yields them; under a static decode
     nothing is read back until the end (:func:`fibattn.generation.static.collect_static`)."""
-    job = _prepare(model, prompt_ids, *_args(kwargs))
+    job = _prepare(model, prompt_ids, *keyword_arguments(generate, kwargs))
     if job.mode != "eager":
         return collect_static(job.session, job.rows, job.max_new, job.sampling, job.generators, job.stops,
                               compiled=job.mode == "compiled")
@@ -456,12 +390,3 @@ def generate_tokens(model, prompt_ids, **kwargs) -> list[list[int]]:
             if t >= 0:
                 out[r].append(t)
     return out
-
-
-def _args(kwargs: dict) -> tuple:
-    """:func:`generate`'s keyword arguments in :func:`_prepare`'s order, defaults filled, unknown names refused."""
-    params = list(inspect.signature(generate).parameters.values())[2:]
-    unknown = set(kwargs) - {p.name for p in params}
-    if unknown:
-        raise TypeError(f"generate_tokens() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-    return tuple(kwargs.get(p.name, p.default) for p in params)
