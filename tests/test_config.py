@@ -3,6 +3,7 @@ import json
 import pytest
 
 from fibattn import config as C
+from fibattn.config_files import load
 from fibattn.presets import get_preset, paper, tiny
 from fibattn.validation import validate
 
@@ -12,7 +13,7 @@ def test_presets_validate_and_roundtrip(tmp_path):
         validate(cfg)
         path = tmp_path / f"{cfg.name}.json"
         C.save(cfg, path)
-        assert C.to_dict(C.load(path)) == C.to_dict(cfg)
+        assert C.to_dict(load(path)) == C.to_dict(cfg)
 
 
 def test_overrides_typed():

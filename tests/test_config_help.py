@@ -7,6 +7,7 @@ import re
 import pytest
 
 from fibattn import config as C
+from fibattn.config_files import load
 from fibattn.cli import main
 from fibattn.validation import validate
 
@@ -78,11 +79,11 @@ def test_a_toml_config_reads_like_json_and_its_errors_name_file_and_line(tmp_pat
     toml = tmp_path / "run.toml"
     toml.write_text('name = "mine"\n[model]\nwindow = 3\nschedule = "custom"\nalphas = [0.5, 1.5]\n[train]\nlr = 1e-3\n'
                     '[[data.sources]]\nname = "notes"\nkind = "files"\npath = "/tmp/notes"\nexclude = ["*.log"]\n')
-    cfg = C.load(toml)
+    cfg = load(toml)
     assert (cfg.name, cfg.model.window, cfg.model.alphas, cfg.train.lr) == ("mine", 3, [0.5, 1.5], 1e-3)
     assert cfg.data.sources == [C.SourceConfig(name="notes", kind="files", path="/tmp/notes", exclude=["*.log"])]
     (tmp_path / "run.json").write_text(json.dumps(C.to_dict(cfg)))
-    assert C.load(tmp_path / "run.json") == cfg
+    assert load(tmp_path / "run.json") == cfg
     rc, out, _ = _run(capsys, ["config", "--config", str(toml), "--set", "model.n_layers=2", "window"])
     assert rc == 0 and out.startswith("model.window = 3")
     bad = tmp_path / "bad.toml"

@@ -12,7 +12,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [  # lowest first
-    ("fibattn.config", "fibattn.presets", "fibattn.schedules", "fibattn.files", "fibattn.locks", "fibattn.plots", "fibattn.checks",
+    ("fibattn.config", "fibattn.config_files", "fibattn.presets", "fibattn.schedules", "fibattn.files", "fibattn.locks", "fibattn.plots", "fibattn.checks",
      "fibattn.devices", "fibattn.validation"),
     ("fibattn.ops",),
     ("fibattn.generation",),

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fibattn import config as C
+from fibattn.config_files import load_all
 from fibattn import effective as E
 from fibattn.model.lm import FibLM
 from fibattn.presets import get_preset
@@ -141,7 +142,7 @@ def test_repeated_config_files_merge_in_order_and_errors_name_the_file(tmp_path,
     s1, s2 = tmp_path / "s1.json", tmp_path / "s2.json"
     s1.write_text(json.dumps({"data": {"sources": [{"name": "x", "kind": "files", "path": "/x", "subset": "q"}]}}))
     s2.write_text(json.dumps({"data": {"sources": [{"name": "y"}]}}))
-    cfg, origins = C.load_all([s1, s2])
+    cfg, origins = load_all([s1, s2])
     assert [s.name for s in cfg.data.sources] == ["y"] and "data.sources[0].subset" not in origins
 
 

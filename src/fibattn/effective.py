@@ -151,7 +151,7 @@ def _defaults(cfg) -> dict:
 
 def given_by_file(cfg, origins) -> dict:
     """The keys ``--config`` files set away from their defaults, as :func:`check_honoured` takes them.
-    ``origins``: key -> the file that set it (:func:`fibattn.config.load_all`), or one file's path (every key
+    ``origins``: key -> the file that set it (:func:`fibattn.config_files.load_all`), or one file's path (every key
     from it). A saved config lists every key: a value at its default asks for nothing."""
     now, defaults = flat_keys(dataclasses.asdict(cfg)), _defaults(cfg)
     if not isinstance(origins, dict):

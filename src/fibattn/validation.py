@@ -268,8 +268,8 @@ def validate_eval(e: EvalConfig) -> None:
 
 def validate_given(cfg: RunConfig, config_file=None, sets=()) -> RunConfig:
     """:func:`validate`, naming the ``--config`` file when a field the refusal names came from it (a field no
-    ``--set`` gave; the first such field). ``config_file``: one file, or key -> file (:func:`fibattn.config.
-    load_all`)."""
+    ``--set`` gave; the first such field). ``config_file``: one file, or key -> file (:func:`fibattn.
+    config_files.load_all`)."""
     try:
         return validate(cfg)
     except ConfigError as exc:

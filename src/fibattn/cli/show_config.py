@@ -16,6 +16,7 @@ import typing
 from .. import config as C
 from ..checks import did_you_mean
 from ..config import ConfigError
+from ..config_files import load_all
 from ..presets import PRESETS, get_preset
 from ..validation import check_honoured, given_by_file, given_by_set, recorded, validate_given
 
@@ -59,7 +60,7 @@ def rows(cfg) -> list[tuple[str, str, str, str]]:
 def run(args) -> int:
     if args.config and args.preset:
         raise ConfigError("give either --preset or --config, not both")
-    cfg, origins = C.load_all(args.config) if args.config else (get_preset(args.preset or "tiny"), {})
+    cfg, origins = load_all(args.config) if args.config else (get_preset(args.preset or "tiny"), {})
     validate_given(C.apply_overrides(cfg, args.set), origins, args.set)
     check_honoured(cfg, {**given_by_file(cfg, origins), **given_by_set(args.set)})
     if args.json:                       # what a run records: reusable as a --config file

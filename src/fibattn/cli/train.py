@@ -7,6 +7,7 @@ from pathlib import Path
 from .. import config as C
 from ..checks import check_int
 from ..config import ConfigError, RunConfig
+from ..config_files import load_all
 from ..data.manifest import data_config
 from ..devices import resolve_device
 from ..files import check_creatable
@@ -28,7 +29,7 @@ def build_config(args, notes: list | None = None) -> RunConfig:
         raise ConfigError("give either --preset or --config, not both")
     origins: dict = {}
     if args.config:
-        cfg, origins = C.load_all(args.config)      # repeated: merged in order, later files override
+        cfg, origins = load_all(args.config)      # repeated: merged in order, later files override
     else:
         cfg = get_preset(args.preset or "tiny")
     sets = list(args.set or [])

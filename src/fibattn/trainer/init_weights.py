@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from .. import config as C
 from ..config import RunConfig
+from ..config_files import load as load_config
 from ..model.lm import FibLM
 from ..storage import checkpoint as ck
 from ..storage.init_source import check_resumable, open_source, plan
@@ -24,7 +24,7 @@ def resumed_init(cfg: RunConfig, resume: str) -> dict | None:
         return None
     saved = None
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        saved = C.load(out / "config.json").train
+        saved = load_config(out / "config.json").train
     check_resumable(cfg.train.init_from, str(resume), out, None if saved is None else saved.init_from)
     return saved.init_source
 
