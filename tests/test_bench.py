@@ -15,6 +15,7 @@ from fibattn.bench import attention_paths as bp
 from fibattn.bench import generate as bg
 from fibattn.bench import memory as bm
 from fibattn.bench import train as bt
+from fibattn.bench import train_steps as bts
 from fibattn.checks import parse_int_list
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError
@@ -35,7 +36,7 @@ def _fake_train(monkeypatch, durations: dict):
         return step, (2 if compiled else 1)
 
     monkeypatch.setattr(bt, "make_step", make_step)
-    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(bts, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     return log
 
 
@@ -76,9 +77,9 @@ def test_bench_train_steps_make_their_loss_as_training_and_dense_on_the_fastest_
     seen.clear()
     bt.bench([64], steps=5, tokens=128)
     assert seen == [{"loss_head": "plain", "sdpa": None}] * 2
-    assert bt.sdpa_backends("auto", torch.device("cuda")) == [B.CUDNN_ATTENTION, B.FLASH_ATTENTION,
-                                                             B.EFFICIENT_ATTENTION, B.MATH]
-    assert bt.sdpa_backends("flash", torch.device("cpu")) == [B.FLASH_ATTENTION]
+    assert bts.sdpa_backends("auto", torch.device("cuda")) == [B.CUDNN_ATTENTION, B.FLASH_ATTENTION,
+                                                              B.EFFICIENT_ATTENTION, B.MATH]
+    assert bts.sdpa_backends("flash", torch.device("cpu")) == [B.FLASH_ATTENTION]
 
 
 def test_bench_train_reports_peak_memory_and_mfu_on_cuda(monkeypatch):
@@ -90,9 +91,9 @@ def test_bench_train_reports_peak_memory_and_mfu_on_cuda(monkeypatch):
     step = types.SimpleNamespace(state_bytes=lambda: 1 << 20)
     built = {name: (step, 1) for name in cfgs}
     row = {"dense_tok_s": 1000.0, "sparse_tok_s": 2000.0}
-    monkeypatch.setattr(bt, "step_peak_bytes", lambda s, dev: 3 << 20)
-    monkeypatch.setattr(bt, "peak_flops", lambda dev, bf16: (1e12, "fake"))
-    bt._device_fields(row, built, cfgs, torch.device("cuda"))
+    monkeypatch.setattr(bts, "step_peak_bytes", lambda s, dev: 3 << 20)
+    monkeypatch.setattr(bts, "peak_flops", lambda dev, bf16: (1e12, "fake"))
+    bts.device_fields(row, built, cfgs, torch.device("cuda"))
     assert row["dense_peak_mb"] == row["sparse_peak_mb"] == 4.0
     assert row["sparse_mfu"] == pytest.approx(2000.0 * flops_per_token(cfgs["sparse"])[0] / 1e12)
     assert row["dense_mfu"] == pytest.approx(1000.0 * flops_per_token(cfgs["dense"])[0] / 1e12)
@@ -110,17 +111,17 @@ def test_bench_train_compiled_only_with_checkpointing_is_refused(capsys):
 
 def test_bench_train_interleave_syncs_only_on_cuda(monkeypatch):
     order = []
-    monkeypatch.setattr(bt, "_sync", lambda dev: order.append("sync"))
-    secs = bt.interleave({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2,
+    monkeypatch.setattr(bts, "_sync", lambda dev: order.append("sync"))
+    secs = bts.interleave({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2,
                          torch.device("cpu"))
     assert order == ["sync", "a", "sync", "sync", "b", "sync"] * 2
     assert len(secs["a"]) == len(secs["b"]) == 2
 
 
 def test_bench_train_median_and_spread():
-    s = bt.summarize(100, [1.0, 2.0, 4.0, 0.5, 10.0])     # rates 100, 50, 25, 200, 10 tok/s
+    s = bts.summarize(100, [1.0, 2.0, 4.0, 0.5, 10.0])     # rates 100, 50, 25, 200, 10 tok/s
     assert s == {"tok_s": 50.0, "min": 10.0, "max": 200.0, "steps": 5}
-    assert bt.summarize(10, [1.0, 2.0, 4.0, 0.5, 0.25, 8.0])["tok_s"] == pytest.approx(7.5)  # even: mean of 5, 10
+    assert bts.summarize(10, [1.0, 2.0, 4.0, 0.5, 0.25, 8.0])["tok_s"] == pytest.approx(7.5)  # even: mean of 5, 10
     assert bt.SPREAD == "min-max"
 
 
@@ -137,7 +138,7 @@ def test_bench_train_median_resists_one_slow_step(monkeypatch):
         return step, 1
 
     monkeypatch.setattr(bt, "make_step", make_step)
-    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(bts, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     r = bt.bench([64], steps=5, tokens=64)[0]
     assert r["dense_tok_s"] == pytest.approx(64.0) and r["ratio"] == pytest.approx(1.0)
     assert r["dense_tok_s_min"] == pytest.approx(0.64) and r["dense_tok_s_max"] == pytest.approx(64.0)
@@ -208,7 +209,7 @@ def test_bench_train_checkpointing_interleaves_and_measures_each_mode(monkeypatc
         return step, 1
 
     monkeypatch.setattr(bt, "make_step", make_step)
-    monkeypatch.setattr(bt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(bts, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     monkeypatch.setattr(bt, "step_peak_bytes", lambda step, dev: (step(), {"none": 5, "full": 1}[log[-1][:4]] << 20)[1])
     rows = bt.bench_checkpointing([64, 16384], steps=5, tokens=256, compiled=compiled)
     names = ["none", "full"] + (["none_compiled", "full_compiled"] if compiled else [])
