@@ -123,7 +123,7 @@ def test_todays_kernels(tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "thread-instructions per (query, head, column)" in res.stdout
     count = ("import sys; sys.path.insert(0, 'tools'); import gpu_static as g; "
-             "from fibattn.ops import triton_backend as t; G = g.GOAL; "
+             "from fibattn.ops import triton_static as t; G = g.GOAL; "
              "print(*(len(t.static_kernels(G['heads'] // G['kv_heads'], G['head_dim'], G['window'], "
              "g.goal_rungs(two), two)) for two in (False, True)))")
     counts = subprocess.run([sys.executable, "-c", count], check=False, capture_output=True, text=True, env=env,

@@ -13,7 +13,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = [  # lowest first
     ("fibattn.config", "fibattn.config_files", "fibattn.presets", "fibattn.schedules", "fibattn.files", "fibattn.locks", "fibattn.plots", "fibattn.checks",
-     "fibattn.devices", "fibattn.validation"),
+     "fibattn.devices", "fibattn.validation", "fibattn.threads", "fibattn.entry", "fibattn.effective", "fibattn.launch"),
     ("fibattn.ops",),
     ("fibattn.generation",),
     ("fibattn.model", "fibattn.data"),

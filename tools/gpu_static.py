@@ -2,7 +2,7 @@
 
     python tools/gpu_static.py [--json FILE] [--goals] [--documents]
 
-No GPU needed: every kernel of ``fibattn.ops.triton_backend.static_kernels`` is compiled for
+No GPU needed: every kernel of ``fibattn.ops.triton_static.static_kernels`` is compiled for
 sm_90 by Triton's own ptxas at the goal setting (B 4, H 8, Hkv 2, Dh 64, bf16, window 12,
 ``fib:15`` at alpha 1.5 -> 10 rungs; the integer op and the interpolated, two-tap op), and
 its machine code is read back with the ``nvdisasm`` / ``cuobjdump`` Triton ships.
@@ -221,9 +221,9 @@ def goal_rungs(two_tap: bool) -> int:
 
 
 def analyse_op(two_tap: bool, docs: bool = False) -> list[KernelStats]:
-    from fibattn.ops import triton_backend
+    from fibattn.ops import triton_static
     g = GOAL
-    kerns = triton_backend.static_kernels(g["heads"] // g["kv_heads"], g["head_dim"], g["window"],
+    kerns = triton_static.static_kernels(g["heads"] // g["kv_heads"], g["head_dim"], g["window"],
                                           goal_rungs(two_tap), two_tap, dtype=g["dtype"], docs=docs)
     return [analyse_kernel(k) for k in kerns]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backends import kernels
 from .columns import ColumnSpec
 from .custom_ops import SAVED_STATE_VERSION
 
@@ -32,10 +33,12 @@ def _name(op: str) -> str:
 def applies(name: str, device: torch.device) -> bool:
     """Whether a call on ``device`` resolved to backend ``name`` goes through these ops: a CUDA call being
     compiled, with Triton's own kernels (the interpreter cannot run on the compiler's fake tensors)."""
-    if name != "triton" or device.type != "cuda" or not torch.compiler.is_compiling():
-        return False
-    from . import triton_backend
-    return not triton_backend.interpreting()
+    return name == "triton" and device.type == "cuda" and torch.compiler.is_compiling() and _real_kernels()
+
+
+@torch.compiler.assume_constant_result         # run, not traced: it imports the backend on first use
+def _real_kernels() -> bool:
+    return not _kernels().interpreting()
 
 
 def _spec(dists, window, base, reach) -> ColumnSpec:
@@ -45,8 +48,7 @@ def _spec(dists, window, base, reach) -> ColumnSpec:
 
 
 def _kernels():
-    from . import triton_backend
-    return triton_backend
+    return kernels("triton")                # triton_backend, imported on first use (it imports triton)
 
 
 @torch.library.triton_op(_name("triton_attention"), mutates_args=())

@@ -1,0 +1,67 @@
+"""What ``tools/gpu_static.py`` compiles for sm_90 without a device: the ``triton`` backend's kernels
+(:mod:`fibattn.ops.triton_backend`) with the signature, specialisations and launch options a real launch gives
+them, and what each program of an interior tile does (loops, products, bytes)."""
+from __future__ import annotations
+
+from .triton_backend import block_x, config, kernels
+
+_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64",
+             "DFRAC": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
+_TENSOR_ARGS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+
+
+def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap: bool,
+                   dtype: str = "bf16", docs: bool = False) -> list[dict]:
+    """What ``tools/gpu_static.py`` compiles for sm_90 without a device: one dict per kernel of a
+    forward + backward (the fractional op's one-program plan launch aside), with ``loop_trips``
+    (the trip count of each outermost loop, in source order, for a program of an interior tile),
+    ``query_heads`` ((query, head) rows a program serves), ``rows_per_program`` (positions of
+    ``T``), ``tensor_flops_per_program`` (its ``tl.dot`` products) and ``bytes_per_program`` (what it
+    reads from and writes to memory once: q/k/v-shaped rows, statistics, the rungs' ``P``/``dS``; not
+    the documents' int32 offsets, < 1 % of it). ``docs``: the kernels with documents (``off``)."""
+    import triton.language as tl
+    kern = kernels()
+    cfg = config(group, head_dim, window)
+    opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"),
+                **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
+    el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
+    GM = cfg["BLOCK_G"] * M
+    band = -(-(M + window) // BN)               # band steps of an interior tile
+    chunks = -(-n_rungs // RB)
+    half = dtype in ("bf16", "fp16")
+    mm = 2.0 * D                                 # flops of one (row, column) product
+    split_p = 2 if half else 1                   # probabilities in as hi + lo
+    # forward: band q.k and p.v; rung blocks q.k (two-tap: split keys) and p.v (two-tap: 3 products)
+    fwd = band * GM * BN * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
+        (2 if two_tap and half else 1) + (3 if two_tap and half else split_p))
+    dq = (band * GM * BN * mm * 3 + chunks * GM * RB * M * mm * (3 + (2 if two_tap and half else 0)
+                                                                 + (4 if two_tap else 0)))
+    taps = 2 if two_tap else 1
+    dkdv = band * cfg["BLOCK_G"] * BN * M * mm * (4 + split_p) + n_rungs * taps * M * GM * mm * (1 + split_p)
+    q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
+    rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
+    plans = [(kern.fwd_kernel, "forward", {}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
+             (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap}, [band, chunks], dq,
+              4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2),
+             (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": block_x(cfg["BLOCK_G"])}, [band, n_rungs], dkdv,
+              2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats)]
+    res = []
+    for fn, kind, extra, trips, flops, nbytes in plans:
+        consts = dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg, **extra,
+                      **({} if docs else {"OFF": None}))          # no documents: launched with off=None
+        sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
+               for a in fn.arg_names}
+        sig.update({a: "fp32" for a in ("qk_scale", "sm_scale", "qk_lo", "sm_lo") if a in sig})
+        # what the JIT specializes at launch: 16-byte aligned pointers, integers divisible by 16
+        # (the strides and Dh of the goal setting; T is never specialized)
+        aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(fn.arg_names)
+                   if sig[a].startswith("*") or (sig[a] == "i32" and (a[0] == "s" or a == "DH") and head_dim % 16 == 0)}
+        tags = ", ".join(t for t, on in (("two-tap", two_tap), ("documents", docs)) if on)
+        name = fn.__name__ + (f" ({tags})" if tags else "")
+        res.append(dict(name=name, fn=fn, signature=sig, attrs=aligned,
+                        constexprs=consts, loop_trips=trips, query_heads=GM, rows_per_program=M,
+                        columns=window + 1 + n_rungs, tensor_flops_per_program=flops, bytes_per_program=nbytes,
+                        **{"pass": kind}, **opts))
+    return res
