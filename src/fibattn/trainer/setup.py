@@ -17,8 +17,11 @@ import torch
 from .. import config as C
 from .. import validation as V
 from ..config import ConfigError, RunConfig
-from ..files import make_parents
+from ..files import check_creatable, make_parents
+from ..locks import check_unlocked
 from ..model.head_loss import logit_rows
+from ..storage import checkpoint as ck
+from ..storage.results import check_db_path, resolve_db_path
 from ..threads import MAX_THREADS, use_threads
 from . import distributed as D
 from .logs import is_metrics_log
@@ -56,6 +59,39 @@ def prepare_out_dir(path) -> Path:
     except OSError as exc:
         raise ConfigError(f"train.out_dir {p} is not writable: {exc.strerror or exc}") from None
     return p
+
+
+def check_out_dir(out: Path, results_db: str, dist: D.DistInfo) -> None:
+    """Rank 0 checks ``train.out_dir`` and the results DB before anything is written (outputs are created
+    when the run starts, once every input is checked); every rank hears of a refusal."""
+    with D.together(dist, "checking train.out_dir"):
+        if dist.is_main:
+            check_creatable(out, "train.out_dir")
+            check_unlocked(run_lock_path(out), out, "train.out_dir")     # another train writes it
+            if not ck.list_checkpoints(ck.ckpt_root(out)):
+                check_not_foreign(out)          # a fresh run must not overwrite a user's file
+            db_path = resolve_db_path(out, results_db)
+            db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
+            if db is not None:
+                db.close()
+
+
+def check_data(cfg: RunConfig, data, dist: D.DistInfo) -> None:
+    """The training data against the run: the same data on every rank, a vocabulary the model holds, and a
+    step no larger than the data."""
+    t = cfg.train
+    if hasattr(data, "data_id"):
+        D.check_same(dist, {"data_id": data.data_id()}, "training data (its manifest's shard digests)")
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
+                          f"vocabulary ({data.vocab_size}); set model.vocab_size >= {data.vocab_size}")
+    sources = (getattr(data, "manifest", None) or {}).get("sources") or []
+    if sources and hasattr(data, "train_tokens"):      # a step past the whole data: unbounded, meaningless
+        have = sum(data.train_tokens(src["name"]) for src in sources)
+        if t.batch_tokens > have:
+            raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) is more than the training data holds ({have} "
+                              f"tokens in {getattr(data, 'path', 'the data')}): one step would read it "
+                              f"{t.batch_tokens / max(have, 1):.3g} times over; set train.batch_tokens <= {have}")
 
 
 def check_fits(cfg: RunConfig, device: torch.device, loss_head: str = "plain") -> None:

@@ -32,14 +32,12 @@ import torch
 
 from .. import config as C
 from ..checks import UsageError
-from ..config import ConfigError, RunConfig
-from ..files import check_creatable
-from ..locks import check_unlocked
+from ..config import RunConfig
 from ..validation import fit_warmup, validate
 from ..model.lm import FibLM
 from ..ops.backends import check_model_runs
 from ..storage.init_source import describe, load_into
-from ..storage.results import check_db_path, resolve_db_path, run_key
+from ..storage.results import resolve_db_path, run_key
 from . import distributed as D
 from . import state as S
 from .grad_reduce import attach as attach_ordered_reduce
@@ -51,9 +49,9 @@ from .outcome import TrainingAborted, TrainResult, settle  # noqa: F401 (Trainin
 from .optim import build_optimizer, lr_at, param_names, set_lr
 from .pace import Pace, estimate_lines
 from .throughput import announce, eval_line, mfu
-from .setup import (accum_steps, autocast_for, check_fits, check_not_foreign, compile_cache, compile_wanted,
-                    document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, run_lock_path, seed_all,
-                    keep_threads, sequences_per_rank, set_threads, tokenizer_file, warn_disk_space)
+from .setup import (accum_steps, autocast_for, check_data, check_fits, check_out_dir, compile_cache, compile_wanted,
+                    document_kwargs, load_data, lock_run, loss_head_for, prepare_out_dir, seed_all, keep_threads,
+                    sequences_per_rank, set_threads, tokenizer_file, warn_disk_space)
 
 log = logging.getLogger("fibattn")
 
@@ -70,31 +68,11 @@ class Trainer:
         self.loss_head = loss_head_for(t.loss_head, dist.device, dist.is_main)
         check_fits(cfg, dist.device, self.loss_head)
         self.lock = None                             # the run folder's writer lock, taken in run()
-        with D.together(dist, "checking train.out_dir"):
-            if dist.is_main:                         # outputs are created in run(), once every input is checked
-                check_creatable(self.out, "train.out_dir")
-                check_unlocked(run_lock_path(self.out), self.out, "train.out_dir")     # another train writes it
-                if not S.ck.list_checkpoints(S.ck.ckpt_root(self.out)):
-                    check_not_foreign(self.out)     # a fresh run must not overwrite a user's file
-                db_path = resolve_db_path(self.out, t.results_db)
-                db = check_db_path(db_path) if db_path is not None else None   # corrupted, read-only, uncreatable
-                if db is not None:
-                    db.close()
+        check_out_dir(self.out, t.results_db, dist)
         set_threads(t, dist)
         seed_all(t.seed)
         self.data = data if data is not None else load_data(cfg, dist)
-        if hasattr(self.data, "data_id"):
-            D.check_same(dist, {"data_id": self.data.data_id()}, "training data (its manifest's shard digests)")
-        if self.data.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                              f"vocabulary ({self.data.vocab_size}); set model.vocab_size >= {self.data.vocab_size}")
-        sources = (getattr(self.data, "manifest", None) or {}).get("sources") or []
-        if sources and hasattr(self.data, "train_tokens"):      # a step past the whole data: unbounded, meaningless
-            have = sum(self.data.train_tokens(src["name"]) for src in sources)
-            if t.batch_tokens > have:
-                raise ConfigError(f"train.batch_tokens ({t.batch_tokens}) is more than the training data holds ({have} "
-                                  f"tokens in {getattr(self.data, 'path', 'the data')}): one step would read it "
-                                  f"{t.batch_tokens / max(have, 1):.3g} times over; set train.batch_tokens <= {have}")
+        check_data(cfg, self.data, dist)
         self.model = FibLM(cfg.model).to(dist.device).set_activation_checkpointing(t.activation_checkpointing)
         self.model.set_loss_head(self.loss_head)
         self.autocast = autocast_for(t.precision, dist.device)
