@@ -3,6 +3,7 @@ a headline multiple other than the default 4 (so that a hard-coded 4 cannot pass
 import pytest
 
 from fibattn.study import demo as D
+from fibattn.study import headline as H
 from fibattn.study import report as Rp
 from fibattn.study.pages import pct_change
 from fibattn.study.retrofit_report import GAP_GOAL_PCT, HOLD_GOAL_PCT, retrofit_checks, retrofits
@@ -24,8 +25,8 @@ SPARSE = [((100.0, 105.0), True), ((100.0, 95.0), True), ((100.0, 100.0), True),
 @pytest.mark.parametrize("factor", [4, 2])
 @pytest.mark.parametrize("ppl, ok", DENSE)
 def test_dense_goal_on_both_sides(factor, ppl, ok):
-    assert pct_change(8.0, 12.0) == Rp.DENSE_GOAL_PCT             # the exact case is exact in floats
-    check = Rp.headline_check([_run("dense", "dense", *ppl, factor=factor)], "s", factor)[0]
+    assert pct_change(8.0, 12.0) == H.DENSE_GOAL_PCT             # the exact case is exact in floats
+    check = H.headline_check([_run("dense", "dense", *ppl, factor=factor)], "s", factor)[0]
     assert check.passed is ok and check.change == pytest.approx(pct_change(*ppl))
 
 
@@ -33,17 +34,17 @@ def test_dense_goal_on_both_sides(factor, ppl, ok):
 @pytest.mark.parametrize("ppl, ok", SPARSE)
 def test_sparse_tolerance_on_both_sides(factor, ppl, ok):
     # within ± tol: a sparse model that gets much *better* at the long length is outside it too
-    assert pct_change(100.0, 105.0) == Rp.SPARSE_TOL_PCT
-    check = Rp.headline_check([_run("fib", "linear", *ppl, factor=factor)], "s", factor)[0]
+    assert pct_change(100.0, 105.0) == H.SPARSE_TOL_PCT
+    check = H.headline_check([_run("fib", "linear", *ppl, factor=factor)], "s", factor)[0]
     assert check.passed is ok
 
 
 def test_demo_verdict_needs_every_check():
     res = [_run("dense", "dense", 8.0, 12.0), _run("fib_a", "linear", 10.0, 10.0), _run("fib_b", "linear", 10.0, 20.0)]
-    lines = D.headline_lines(Rp.headline_check(res, "s", 4), "s", 4, T)
+    lines = D.headline_lines(H.headline_check(res, "s", 4), "s", 4, T)
     assert [ln.split()[0] for ln in lines[1:4]] == ["PASS", "PASS", "FAIL"]
     assert lines[-1] == "Headline: 2/3 PASS — see FAIL lines above"
-    lines = D.headline_lines(Rp.headline_check(res[:2], "s", 4), "s", 4, T)
+    lines = D.headline_lines(H.headline_check(res[:2], "s", 4), "s", 4, T)
     assert lines[-1] == "Headline: 2/2 PASS — dense degrades and the sparse variants hold"
 
 
@@ -51,7 +52,7 @@ def test_demo_verdict_needs_every_check():
                                            ((1, 8), 8)])
 def test_headline_factor(mults, factor):
     r = Rp.RunResult("x", "linear", 8, 42, T, {("s", m * T): 10.0 for m in mults} | {("s", T + 1): 10.0})
-    assert Rp.headline_factor([r]) == factor
+    assert H.headline_factor([r]) == factor
 
 
 def _retrofit(short=103.0, long=103.0, dense_long=150.0, ft_steps=50, factor=4):

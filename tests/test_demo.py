@@ -5,6 +5,7 @@ import pytest
 from fibattn.study import demo as D
 from fibattn.study import grid as G
 from fibattn.study import report as Rp
+from fibattn.study.headline import headline_check
 from fibattn.cli import main as cli_main
 from fibattn.storage.results import ResultsDB
 
@@ -13,7 +14,7 @@ def _checks(dense_long, sparse_long):
     res = [Rp.RunResult("dense", "dense", None, 42, 128, {("s", 128): 10.0, ("s", 512): dense_long})]
     res += [Rp.RunResult(f"fib_{i}", "linear", 8, 42, 128, {("s", 128): 10.0, ("s", 512): v})
             for i, v in enumerate(sparse_long)]
-    return Rp.headline_check(res, "s", 4)
+    return headline_check(res, "s", 4)
 
 
 def test_headline_lines_pass():
@@ -30,7 +31,7 @@ def test_headline_lines_fail():
     assert lines[1].startswith("  FAIL  dense") and "+40.0 %" in lines[1]
     assert lines[2].startswith("  PASS  fib_0") and lines[3].startswith("  FAIL  fib_1")
     assert lines[-1] == "Headline: 1/3 PASS — see FAIL lines above"
-    missing = Rp.headline_check([Rp.RunResult("fib_x", "fixed", 8, 42, 128, {("s", 128): 10.0})], "s", 4)
+    missing = headline_check([Rp.RunResult("fib_x", "fixed", 8, 42, 128, {("s", 128): 10.0})], "s", 4)
     assert not missing[0].passed and missing[0].change is None
 
 

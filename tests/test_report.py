@@ -5,6 +5,7 @@ import pytest
 
 from fibattn.study import grid as G
 from fibattn.study import report as Rp
+from fibattn.study.headline import check_table, headline_check
 from fibattn.study import published as S
 from fibattn.cli import main as cli_main
 from fibattn.study.pages import Image, Table, Text, to_html
@@ -86,12 +87,12 @@ def test_headline_check_pass_fail():
            rr("b", "fixed", 8, {("d", 128): 10.0, ("d", 512): 10.6}, T=128),
            rr("c", "coprime", 8, {("d", 128): 10.0, ("d", 512): 9.51}, T=128),
            rr("e", "learned", 8, {("d", 128): 10.0}, T=128)]
-    checks = Rp.headline_check(res, "d", 4)
+    checks = headline_check(res, "d", 4)
     assert [c.passed for c in checks] == [True, True, False, True, False]
     assert checks[0].change == pytest.approx(60.0) and checks[0].study == "+200.7 %"
     res[0].ppl[("d", 512)] = 14.0
-    assert not Rp.headline_check(res, "d", 4)[0].passed
-    t = Rp.check_table(checks, "d", 4)
+    assert not headline_check(res, "d", 4)[0].passed
+    t = check_table(checks, "d", 4)
     assert [r[5] for r in t.rows] == ["PASS", "PASS", "FAIL", "PASS", "FAIL"]
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..checks import UsageError
 from . import report as Rp
 from ..storage import results
-from .report import Check
+from .headline import Check
 
 log = logging.getLogger("fibattn")
 

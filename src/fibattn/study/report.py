@@ -6,9 +6,9 @@
 Tables: the main table (rows W, columns fixed / learned / linear / coprime / pow2 + linear,
 cells perplexity per dataset at the training length, "FW / WP"), the extrapolation table
 (1×, 2×, 4× the training length with % change from 1×), seed spread, the headline check
-(dense at 4× vs the sparse variants) and — where run names match the study's — ours /
-study / Δ against method.md §5 (:mod:`fibattn.study.published`). Tables are built from
-:class:`RunResult` lists, so they can be checked on synthetic numbers.
+(dense at 4× vs the sparse variants: :mod:`fibattn.study.headline`) and — where run names match
+the study's — ours / study / Δ against method.md §5 (:mod:`fibattn.study.published`). Tables are
+built from :class:`RunResult` lists, so they can be checked on synthetic numbers.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pathlib import Path
 from . import published as S
 from .controls import control_blocks, matched_cells
 from .grid import VARIANT_TITLES, control_title
+from .headline import check_table, headline_check, headline_factor
 from .labels import evaluated_count, set_labels
 from ..checks import ConfigError, UsageError
 from .pages import Heading, Image, Table, Text, fmt_pct, fmt_ppl, pct_change  # noqa: F401
@@ -31,8 +32,6 @@ log = logging.getLogger("fibattn")
 COLUMNS = ("fixed", "learned", "linear", "coprime", "pow2+linear", "window", "window_matched")
 COLUMN_TITLES = {"fixed": "fixed", "learned": "learned", "linear": "linear (stagger)", "coprime": "coprime (HDC)",
                  "pow2+linear": "pow2 linear", "window": "window (rungs off)", "window_matched": "window (matched cost)"}
-DENSE_GOAL_PCT = 50.0          # dense perplexity must rise by at least this much at 4×
-SPARSE_TOL_PCT = 5.0           # sparse variants must stay within ± this
 
 
 @dataclass
@@ -211,44 +210,6 @@ def study_table(results: list[RunResult]) -> Table | None:
     return table
 
 
-# ------------------------------------------------------------------------------ headline check
-@dataclass
-class Check:
-    name: str
-    short: float | None          # perplexity at the training length
-    long: float | None           # perplexity at factor × the training length
-    change: float | None         # percent
-    goal: str
-    passed: bool
-    study: str = "—"             # the study's change at 4× for this variant (FineWeb-Edu, over its windows)
-
-
-def headline_check(results: list[RunResult], dataset: str, factor: int = 4, *, dense_goal: float = DENSE_GOAL_PCT,
-                   sparse_tol: float = SPARSE_TOL_PCT) -> list[Check]:
-    """Dense must degrade by ``>= dense_goal`` % at ``factor``× the training length; sparse stay within ± tol."""
-    out = []
-    for r in results:
-        a, b = r.get(dataset, r.train_len), r.get(dataset, factor * r.train_len)
-        ch = pct_change(a, b)
-        if r.variant == "dense":
-            goal, ok = f">= +{dense_goal:g} %", ch is not None and ch >= dense_goal
-        else:
-            goal, ok = f"within ±{sparse_tol:g} %", ch is not None and abs(ch) <= sparse_tol
-        out.append(Check(r.label or r.name, a, b, ch, goal, ok, S.fmt_change_range(S.study_change(r.variant, factor=factor))))
-    return out
-
-
-def check_table(checks: list[Check], dataset: str, factor: int) -> Table:
-    table = Table(f"Headline check: {dataset} perplexity change at {factor}× the training length",
-                  ["model", "1×", f"{factor}×", "change", "goal", "result", f"study at {factor}× (FW)"],
-                  note="The study's column: its FineWeb-Edu change from 1024 to 4096 for the same variant, over "
-                       "W = 6..12 (method.md §5); pow2 + fixed degrades there too (+11.3 %: never-trained distances).")
-    for c in checks:
-        table.rows.append([c.name, fmt_ppl(c.short), fmt_ppl(c.long), fmt_pct(c.change), c.goal,
-                           "PASS" if c.passed else "FAIL", c.study])
-    return table
-
-
 # ------------------------------------------------------------------------------ collect
 def _eval_doc(run_dir: Path) -> dict:
     try:
@@ -314,13 +275,6 @@ class ReportFiles:
     datasets: list
     factor: int | None               # the headline check's length multiple
     results: list
-
-
-def headline_factor(results: list[RunResult]) -> int | None:
-    """4 when 4× the training length was evaluated, else the largest whole multiple >= 2 (None if none)."""
-    mults = {n // r.train_len for r in results for n in r.lengths() if r.train_len and n % r.train_len == 0}
-    mults = {m for m in mults if m >= 2}
-    return 4 if 4 in mults else (max(mults) if mults else None)
 
 
 def build_blocks(grid_name: str, results: list[RunResult], datasets: list[str], images,
