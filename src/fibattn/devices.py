@@ -1,8 +1,10 @@
 """Choosing a device, decided once: ``auto | cpu | cuda | cuda:N`` everywhere a user names one."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -69,3 +71,32 @@ def resolve_device(name, *, flag: str = "--device", sep: str = " ") -> torch.dev
             check_cuda(name, flag, sep)
         return torch.device(name)
     raise UsageError(f"{flag} must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags as /proc/cpuinfo lists them (the machine and processor names where it cannot be
+    read): what the cpu kernels are built for, and part of their library's name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.machine() + platform.processor()
+
+
+@functools.cache
+def cpu_cache_bytes() -> dict[int, int]:
+    """CPU 0's caches, ``{level: bytes}`` (Linux sysfs; the largest of a level, so the data cache
+    over the instruction cache; empty where they cannot be read)."""
+    sizes: dict[int, int] = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip().upper()
+            nbytes = int(size.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        except (OSError, ValueError):
+            return {}
+        sizes[level] = max(sizes.get(level, 0), nbytes)
+    return sizes

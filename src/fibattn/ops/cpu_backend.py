@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..checks import UsageError
+from ..devices import cpu_cache_bytes, cpu_flags as _cpu_flags
 from ..files import fsync_dir, make_private_file, not_private, private_folder, temporary_private_folder
 from .columns import compute_dtype, host_interface
 from .host_pages import huge_empty
@@ -88,17 +89,6 @@ def _scratch_like(x: torch.Tensor, *shape: int) -> torch.Tensor:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("FIBATTN_CACHE") or Path.home() / ".cache" / "fibattn")
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-    return platform.machine() + platform.processor()
 
 
 def _library_path(compiler: str, source: bytes) -> Path:
@@ -301,22 +291,6 @@ def _positions(off, q: torch.Tensor):
 
 def _fast() -> ctypes.c_int:
     return ctypes.c_int(not _generic_rows)
-
-
-@functools.cache
-def cpu_cache_bytes() -> dict[int, int]:
-    """CPU 0's caches, ``{level: bytes}`` (Linux sysfs; the largest of a level, so the data cache
-    over the instruction cache; empty where they cannot be read)."""
-    sizes: dict[int, int] = {}
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip().upper()
-            nbytes = int(size.rstrip("KM")) * {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        except (OSError, ValueError):
-            return {}
-        sizes[level] = max(sizes.get(level, 0), nbytes)
-    return sizes
 
 
 @functools.cache                  # every kernel call asks (_stream_out): one lookup, as before
