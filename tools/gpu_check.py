@@ -223,8 +223,8 @@ def cpu_flags() -> dict:
     """The host CPU's model and the vector extensions the cpu kernels can use (the flags as the cpu
     backend reads them for its build; Linux, else no model and no flags)."""
     sys.path.insert(0, str(ROOT / "src"))
-    from fibattn.devices import cpu_flags
-    flags = set(cpu_flags().partition(":")[2].split())
+    from fibattn.devices import cpu_flags as cpuinfo_flags
+    flags = set(cpuinfo_flags().partition(":")[2].split())
     try:
         model = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
     except OSError:
