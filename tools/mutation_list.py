@@ -25,7 +25,7 @@ DEFS = "tests/test_ops_definitions.py"
 TRITON = "tests/test_ops_triton.py"
 BAND = (TRITON, "-k", "band_wider")
 PPL = "src/fibattn/eval/perplexity.py"
-REPORT = "src/fibattn/study/report.py"
+HEADLINE = "src/fibattn/study/headline.py"
 RETRO = "src/fibattn/study/retrofit_report.py"
 RECIPE = "src/fibattn/trainer/init_recipe.py"
 TRAINER = "src/fibattn/trainer/trainer.py"
@@ -328,7 +328,7 @@ MUTATIONS = [
     Mutation("lr-floor-reads-weight-decay", "coinciding consts", "src/fibattn/trainer/optim.py",
              "    low = t.lr * t.min_lr_ratio\n", "    low = t.lr * t.weight_decay\n",
              ("tests/test_recipe_constants.py",)),
-    Mutation("headline-factor-hardcoded", "coinciding consts", REPORT,
+    Mutation("headline-factor-hardcoded", "coinciding consts", HEADLINE,
              "r.get(dataset, factor * r.train_len)", "r.get(dataset, 4 * r.train_len)", (THRESH,)),
     Mutation("retrofit-long-hardcoded", "coinciding consts", RETRO,
              "    return factor * x.run.train_len\n", "    return 4 * x.run.train_len\n", (THRESH,)),
@@ -384,11 +384,11 @@ MUTATIONS = [
              "n = (min(tokens, available - 1) // longest)", "n = (min(tokens, available) // longest)",
              (EDGES, "-k", "boundary")),
     # ---------------------------------------------------------------- 6. pass/fail checks on both sides
-    Mutation("headline-dense-strict", "threshold sides", REPORT,
+    Mutation("headline-dense-strict", "threshold sides", HEADLINE,
              "ch >= dense_goal", "ch > dense_goal", (THRESH,)),
-    Mutation("headline-sparse-no-abs", "threshold sides", REPORT,
+    Mutation("headline-sparse-no-abs", "threshold sides", HEADLINE,
              "abs(ch) <= sparse_tol", "ch <= sparse_tol", (THRESH,)),
-    Mutation("headline-factor-needs-3x", "threshold sides", REPORT,
+    Mutation("headline-factor-needs-3x", "threshold sides", HEADLINE,
              "m >= 2}", "m > 2}", (THRESH,)),
     Mutation("demo-verdict-any-pass", "threshold sides", "src/fibattn/study/demo.py",
              "if all(c.passed for c in checks)", "if any(c.passed for c in checks)", (THRESH,)),
