@@ -111,7 +111,7 @@ def test_bench_train_compiled_only_with_checkpointing_is_refused(capsys):
 
 def test_bench_train_interleave_syncs_only_on_cuda(monkeypatch):
     order = []
-    monkeypatch.setattr(bts, "_sync", lambda dev: order.append("sync"))
+    monkeypatch.setattr(bts, "synchronize", lambda dev: order.append("sync"))
     secs = bts.interleave({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 2,
                          torch.device("cpu"))
     assert order == ["sync", "a", "sync", "sync", "b", "sync"] * 2

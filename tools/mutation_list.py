@@ -362,7 +362,7 @@ MUTATIONS = [
              "(loss / self.accum).backward()", "loss.backward()", (EQUIV, "-k", "accumulation")),
     Mutation("accum-logged-loss-summed", "equivalence", TRAINER,
              "torch.stack([loss_sum / self.accum,", "torch.stack([loss_sum,", (EQUIV, "-k", "accumulation")),
-    Mutation("batch-seed-not-per-row", "equivalence", "src/fibattn/generation/decode.py",
+    Mutation("batch-seed-not-per-row", "equivalence", "src/fibattn/generation/arguments.py",
              "seeds = [seed + r for r in range(batch)]", "seeds = [seed for r in range(batch)]",
              (EQUIV, "-k", "seed")),
     Mutation("next-global-own-cursor", "equivalence", "src/fibattn/data/loader.py",

@@ -100,3 +100,10 @@ def cpu_cache_bytes() -> dict[int, int]:
             return {}
         sizes[level] = max(sizes.get(level, 0), nbytes)
     return sizes
+
+
+def synchronize(device) -> None:
+    """Wait for ``device``'s queued work (CUDA; a no-op elsewhere): the benches' clocks read after it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -35,18 +35,18 @@ import copy
 import json
 import statistics
 import time
-import types
 
 import torch
 
 from ..checks import int_flag
 from ..config import ConfigError
-from ..devices import resolve_device
+from ..devices import resolve_device, synchronize
 from ..generation.decode import DecodeSession
 from ..generation.kvcache import layer_read_plan
 from ..generation.sampling import Sampling
-from ..generation.static import DECODE_MODES, StaticStep, resolve_decode, rope_tables
+from ..generation.static import DECODE_MODES, StaticStep, resolve_decode
 from ..model.lm import FibLM
+from .prefill import prefill_time
 from ..presets import get_preset
 from ..threads import MAX_THREADS
 from ..validation import check_sizes_fit, estimate_params
@@ -96,11 +96,6 @@ def configure_parser(parser) -> None:
                         help="prompt tokens per prefill pass (default 8192); with --decode compiled the prefill is "
                              "compiled too (its compile run untimed)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def model_config(shape: str, variant: str):
@@ -183,11 +178,11 @@ def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, ca
                         torch.set_num_threads(th)
                     step = stepping[name, ctx]
                     step()                        # untimed: the pool wakes up at this count
-                    _sync(s.device)
+                    synchronize(s.device)
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         step()
-                    _sync(s.device)
+                    synchronize(s.device)
                     if rep:
                         times[(name, ctx), th].append((time.perf_counter() - t0) / steps * 1e3)
     # the best block: other processes sharing the CPU only ever add time
@@ -201,54 +196,6 @@ def _decode_latency(models: dict, contexts: list[int], steps: int, reps: int, ca
 def full_set_context(model: FibLM) -> int:
     """The shortest context at which every layer's ring has its final size."""
     return max(layer_read_plan(layer, model.cfg.max_seq_len).span for layer in model.layers())
-
-
-def _shallow(model: FibLM, layers: int):
-    L = len(model.blocks)
-    if L <= 4 or layers >= L:
-        return model, 1.0
-    picks = [L // 2] if layers == 1 else sorted({round(i * (L - 1) / (layers - 1)) for i in range(layers)})
-    view = types.SimpleNamespace(embed=model.embed, norm=model.norm, cfg=model.cfg, logits=model.logits,
-                                 blocks=[model.blocks[i] for i in picks])
-    return view, L / len(picks)
-
-
-@torch.no_grad()
-def prefill_time(model: FibLM, length: int, layers: int, compiled: bool = False,
-                 chunk: int | None = None) -> tuple[float, float | None, int]:
-    """Seconds to prefill ``length`` random tokens and, of those, seconds in the attention
-    core (both scaled to full depth; the core None when ``compiled``: it is inside the graphs), and the number
-    of blocks run. ``compiled``: through :meth:`DecodeSession.compile_prefill`, after one untimed run that
-    compiles the chunks' graphs. ``chunk``: prompt tokens per pass (default the session's)."""
-    view, scale = _shallow(model, layers)
-    device = model.embed.weight.device
-    ids = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
-    if compiled:
-        for _ in range(2):              # the first run compiles: the second is timed
-            session = DecodeSession(view, 1, length + 1, prefill_chunk=chunk)
-            session.compile_prefill(rope_tables(session))
-            _sync(device)
-            t0 = time.perf_counter()
-            session.prefill([0], ids.to(device))
-            _sync(device)
-        return (time.perf_counter() - t0) * scale, None, len(view.blocks)
-    session = DecodeSession(view, 1, length + 1, prefill_chunk=chunk)
-    core, spent = session._prefill_core, [0.0]
-
-    def timed_core(*args):
-        _sync(device)
-        t = time.perf_counter()
-        out = core(*args)
-        _sync(device)
-        spent[0] += time.perf_counter() - t
-        return out
-
-    session._prefill_core = timed_core
-    _sync(device)
-    t0 = time.perf_counter()
-    session.prefill([0], ids.to(device))
-    _sync(device)
-    return (time.perf_counter() - t0) * scale, spent[0] * scale, len(view.blocks)
 
 
 def measure_shape(shape: str, variants: list[str], contexts: list[int], prefill: list[int], args) -> list[dict]:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from ..checks import UsageError, int_flag
-from ..devices import resolve_device
+from ..devices import resolve_device, synchronize
 from ..generation.decode import generate_tokens
 from ..generation.static import DECODE_MODES
 from .generate import DTYPES, build, check_fits
@@ -36,11 +36,6 @@ def configure_parser(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(run) -> tuple[float, list]:
     t0 = time.perf_counter()
     out = run()
@@ -53,9 +48,9 @@ def _side(run_n, new: int, reps: int, device) -> tuple[float, list]:
     best_1 = best_n = float("inf")
     tokens = None
     for _ in range(reps):
-        _sync(device)
-        t1, _ = _timed(lambda: (run_n(1), _sync(device)))
-        tn, (tokens, _) = _timed(lambda: (run_n(new), _sync(device)))
+        synchronize(device)
+        t1, _ = _timed(lambda: (run_n(1), synchronize(device)))
+        tn, (tokens, _) = _timed(lambda: (run_n(new), synchronize(device)))
         best_1, best_n = min(best_1, t1), min(best_n, tn)
     return (new - 1) / max(best_n - best_1, 1e-9), tokens
 

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..devices import synchronize
 from ..model.lm import FibLM
 from ..trainer.throughput import flops_per_token, peak_flops
 from .attention_paths import equal_documents
@@ -34,11 +35,6 @@ def _sdpa_context(backends):
         return contextlib.nullcontext()
     from torch.nn.attention import sdpa_kernel
     return sdpa_kernel(backends, set_priority=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_step(model_cfg, batch: int, device: torch.device, compiled: bool = False, checkpointing: str = "none",
@@ -81,10 +77,10 @@ def interleave(steps: dict, n: int, device: torch.device, clock=None) -> dict[st
     secs: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(n):
         for name, step in steps.items():
-            _sync(device)
+            synchronize(device)
             t0 = clock()
             step()
-            _sync(device)
+            synchronize(device)
             secs[name].append(clock() - t0)
     return secs
 
@@ -100,11 +96,11 @@ def timed(built: dict, steps: int, dev: torch.device, tokens_per_step: int) -> d
     model's compile time), time them interleaved; each one's row fields."""
     row = {}
     for name, (step, warmup) in built.items():
-        _sync(dev)
+        synchronize(dev)
         t0 = time.perf_counter()
         for _ in range(warmup):
             step()
-        _sync(dev)
+        synchronize(dev)
         row[f"{name}_warmup_s"] = time.perf_counter() - t0
     secs = interleave({name: step for name, (step, _) in built.items()}, steps, dev)
     for name in built:
