@@ -4,8 +4,10 @@ Without a CUDA device the ``triton`` backend's kernels run on CPU tensors throug
 interpreter; it must be switched on before any kernel is defined (fibattn defines them on
 first use of the backend). ``-m gpu`` runs the same tests natively on CUDA.
 """
+import contextlib
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -43,3 +45,19 @@ def tiny_data(tmp_path_factory):
     dcfg.out_dir = str(tmp_path_factory.mktemp("tiny-data") / "shakespeare")
     ensure_prepared(dcfg, progress=False)
     return Path(dcfg.out_dir)
+
+
+@contextlib.contextmanager
+def own_remote_code_cache(root):
+    """Remote code loaded in this process goes to a module cache under ``root`` and leaves ``sys.modules`` with
+    it: transformers imports a folder's code as ``transformers_modules.*``, and a package of that name already
+    imported from another cache hides the next test's modules."""
+    import transformers.dynamic_module_utils as dynamic
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dynamic, "HF_MODULES_CACHE", str(Path(root) / "modules"))
+        mp.syspath_prepend(str(Path(root) / "modules"))
+        try:
+            yield
+        finally:
+            for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
+                del sys.modules[name]

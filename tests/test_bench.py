@@ -19,6 +19,7 @@ from fibattn.bench import train_steps as bts
 from fibattn.checks import parse_int_list
 from fibattn.cli import main as cli_main
 from fibattn.config import ConfigError
+from conftest import own_remote_code_cache
 
 
 # ----------------------------------------------------------------------------- bench train
@@ -328,12 +329,12 @@ def test_generate_prefill_compiled_and_in_chunks(capsys, one_thread):
     assert pre["prefill_compiled"] and pre["prefill_attn_s"] is None and pre["prefill_s"] > 0
 
 
-def test_hf_generate_times_the_remote_code_export_beside_fibattn(capsys, tmp_path, monkeypatch, one_thread):
+def test_hf_generate_times_the_remote_code_export_beside_fibattn(capsys, tmp_path, one_thread):
     """``bench hf-generate``: the tiny model exported as remote code and loaded back with transformers, both sides'
     decode tokens/s, and the same greedy tokens (float32 on a CPU)."""
     pytest.importorskip("transformers")
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "modules"))
-    assert cli_main(["bench", "hf-generate", "--contexts", "40", "--new", "4", "--reps", "1", "--json"]) == 0
+    with own_remote_code_cache(tmp_path):
+        assert cli_main(["bench", "hf-generate", "--contexts", "40", "--new", "4", "--reps", "1", "--json"]) == 0
     (rec,) = json.loads(capsys.readouterr().out)["results"]
     assert rec["context"] == 40 and rec["tokens_equal"] and rec["hf_tok_s"] > 0 and rec["fibattn_tok_s"] > 0
     assert cli_main(["bench", "hf-generate", "--contexts", "4", "--new", "4"]) == 2

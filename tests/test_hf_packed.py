@@ -12,6 +12,7 @@ import fibattn  # noqa: E402
 from fibattn.interop import hf_documents as D  # noqa: E402
 from fibattn.interop import hf_llama as H  # noqa: E402
 from fibattn.interop.hf_export import export_hf  # noqa: E402
+from conftest import own_remote_code_cache  # noqa: E402
 from test_export_hf_remote import make_run  # noqa: E402
 
 LENGTHS = (13, 1, 30, 7, 21)
@@ -162,9 +163,7 @@ def remote(tmp_path_factory):
     """FibLM runs (fib; pow2, whose layer-0 set at alpha 0.5 grows with the length) exported with ``--format hf``
     and loaded with ``trust_remote_code`` from the folder, in this process: its modules in a cache of their own."""
     root = tmp_path_factory.mktemp("hf-packed")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(transformers.dynamic_module_utils, "HF_MODULES_CACHE", str(root / "modules"))
-        mp.syspath_prepend(str(root / "modules"))
+    with own_remote_code_cache(root):
         models = {}
         for base in ("fib", "pow2"):
             run = make_run(root / base, base=base)
@@ -172,8 +171,6 @@ def remote(tmp_path_factory):
             models[base] = (fibattn.from_pretrained(run).eval(),
                             transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval())
         yield models
-    for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
-        del sys.modules[name]
 
 
 def test_each_folder_runs_its_own_code(remote):
