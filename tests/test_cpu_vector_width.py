@@ -1,8 +1,9 @@
-"""The cpu kernels at the SIMD width this machine does not run by default (cpu_kernels.c, FA_VBYTES):
-built here with the other width (AVX-512's 64 bytes on an AVX2 machine, lowered to pairs of AVX2
-registers; AVX2's 32 on an AVX-512 one) and checked against the reference, so that the lane logic of
-both widths is tested on whichever machine runs the suite. The AVX-512 intrinsics themselves are
-compiled for an AVX-512 target, as a machine that has one builds them."""
+"""The cpu kernels at both SIMD widths, whichever one this machine runs by default (cpu_kernels.c,
+FA_VBYTES): each built here (AVX-512's 64 bytes, lowered to pairs of AVX2 registers where the machine has
+only AVX2; AVX2's 32) and checked against the reference, so that the lane logic of both widths is tested on
+any machine, not only the width the machine's own build runs (the mutation check selects this file for
+both). The AVX-512 intrinsics themselves are compiled for an AVX-512 target, as a machine that has one
+builds them."""
 import functools
 import platform
 import shutil
@@ -20,10 +21,10 @@ from op_helpers import (TWO_TAP_SPLITS, close, cpu_kernels, cpu_matches_referenc
 pytestmark = pytest.mark.skipif(cpu_backend.unavailable("cpu") is not None, reason="cpu kernels unavailable")
 
 
-@pytest.fixture(scope="module")
-def width(tmp_path_factory):
-    """The other vector width in bytes, with the backend switched to a library built for it."""
-    width = 32 if " avx512f " in f" {cpu_backend._cpu_flags()} " else 64
+@pytest.fixture(scope="module", params=[32, 64], ids=["32B", "64B"])
+def width(request, tmp_path_factory):
+    """A vector width in bytes, with the backend switched to a library built for it."""
+    width = request.param
     patch = pytest.MonkeyPatch()
     # -O1: gcc lowers the wider vectors 3x slower at -O2 (30 s), and the lanes' logic is the same
     flags = tuple("-O1" if f == "-O2" else f for f in cpu_backend._CFLAGS)
@@ -35,7 +36,7 @@ def width(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_build_runs_the_other_width(width, dtype):
+def test_the_build_runs_its_width(width, dtype):
     lanes = width // torch.empty((), dtype=dtype).element_size()
     nv = functools.partial(cpu_backend.vector_rows, dtype)
     assert [nv(lanes * n) for n in (1, 2, 4, 5, 7, 8)] == [0, 2, 4, 5, 0, 8]
@@ -56,13 +57,13 @@ def test_the_build_runs_the_other_width(width, dtype):
     (61, 7, 3, 1, 5, (9, 1), torch.float64),
 ])
 @pytest.mark.parametrize("stream", [False, True])
-def test_other_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, stream, monkeypatch):
+def test_each_width_matches_reference(width, T, Dh, H, Hkv, W, docs, dtype, stream, monkeypatch):
     monkeypatch.setattr(cpu_backend, "stream_min_bytes", 0 if stream else None)
     q, k, v, dout = (x.to(dtype) for x in make(B=1, H=H, Hkv=Hkv, T=T, Dh=Dh, seed=T + Dh))
     cpu_matches_reference(q, k, v, dout, W, 1.37, None if docs is None else doc_ids(1, T, docs))
 
 
-def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_rows(width):
+def test_each_width_is_bit_identical_across_threads_and_agrees_with_generic_rows(width):
     q, k, v, dout = make(B=1, H=4, Hkv=2, T=400, Dh=64, seed=11)
     cols = host_columns(ColumnSpec(None, 6, (1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233), None), 1.37, 400)
     one = cpu_kernels(q, k, v, dout, cols, "vector", 1)
@@ -75,8 +76,8 @@ def test_other_width_is_bit_identical_across_threads_and_agrees_with_generic_row
 
 
 @pytest.mark.parametrize("before,two,after", TWO_TAP_SPLITS)
-def test_other_width_two_tap_layouts_match_the_generic_rows(width, before, two, after):
-    """The dot lanes' layout (test_ops_cpu_tiled.py) with the other width's groups and last groups."""
+def test_each_width_two_tap_layouts_match_the_generic_rows(width, before, two, after):
+    """The dot lanes' layout (test_ops_cpu_tiled.py) with each width's groups and last groups."""
     two_tap_layout_matches_generic_rows(before, two, after, torch.float32)
 
 
@@ -90,15 +91,15 @@ def test_avx512_build_compiles(tmp_path):
                        str(tmp_path / f"part{part}.o"), str(cpu_backend._SOURCE)] for part in cpu_backend._PARTS])
 
 
-def test_other_width_keeps_large_scores_finite(width):
+def test_each_width_keeps_large_scores_finite(width):
     """Scores of several hundred: exp only stays finite when each row's max over its lanes is right (dout
     scaled down as q is scaled up, so that dk keeps its size against the tolerance)."""
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=150, Dh=64, seed=3)
     cpu_matches_reference(q * 80, k, v, dout / 80, 12, 1.37, doc_ids(1, 150, (40, 1)))
 
 
-def test_other_width_takes_each_rows_max_over_all_its_lanes(width):
-    """Two columns in a group's upper lanes (distances 8 and 9: lanes 8 and 9 of 16) far above every other
+def test_each_width_takes_each_rows_max_over_all_its_lanes(width):
+    """Two columns in a group's upper lanes (distances 8 and 9: lanes 8 and 9 of 16 at 64 B) far above every other
     score and one logit apart: a row max taken over fewer lanes lets exp's range flatten their ratio."""
     T, Dh = 64, 64
     i = torch.arange(T)
