@@ -100,9 +100,12 @@ FA2_FWD_FLOPS, FA2_BWD_FLOPS = 386e12, 257e12
 
 # min_speedup is a regression guard on the calibrated model (issue 56): the kernels of 26cade3 gave 17x / 70x at
 # 16K / 64K there (the card: 17x / 68x against SDPA flash); making a non-finite value reach only its readers (issue
-# 58) cost 14 %. Issue 22's 20x / 80x were set on the uncalibrated model (one 0.6 efficiency, FA2 at 330 / 220).
-GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.5,
-         "min_speedup": {4096: 3.0, 16384: 15.0, 65536: 60.0}, "max_documents_ratio": 1.1}
+# 58) cost 14 %, products that accumulate in place and tiles that fit 3 programs per SM (issue 56) won back 18 %
+# (18x / 74x). Issue 22's 20x / 80x were set on the uncalibrated model (one 0.6 efficiency, FA2 at 330 / 220).
+# max_interpolated_ratio is on the model's time at every length (issue 56's goal is a time, 1.4x on the card): the
+# two ops differ most in registers, i.e. programs per SM, which a ratio of instructions does not see.
+GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.6,
+         "min_speedup": {4096: 4.0, 16384: 17.0, 65536: 70.0}, "max_documents_ratio": 1.1}
 
 _Q_SHAPED, _KV_SHAPED = {"Q", "OUT", "DO", "DQ"}, {"K", "V", "DK", "DV"}
 
@@ -329,9 +332,10 @@ def check_goals(integer: list[KernelStats], interp: list[KernelStats]) -> list[t
     for T, need in GOALS["min_speedup"].items():
         r = fa2_ms(T) / estimate_ms(integer, T)
         res.append((f">= {need:g}x FlashAttention-2 at T={T}", r >= need, f"{r:.2f}x"))
-    r = per_query_head_column(interp) / x
-    res.append((f"interpolated <= {GOALS['max_interpolated_ratio']}x integer thread-instructions",
-                r <= GOALS["max_interpolated_ratio"], f"{r:.2f}x"))
+    r = max(estimate_ms(interp, T) / estimate_ms(integer, T) for T in LENGTHS)
+    res.append((f"interpolated <= {GOALS['max_interpolated_ratio']}x integer (the model's time, every length)",
+                r <= GOALS["max_interpolated_ratio"], f"{r:.2f}x (thread-instructions "
+                f"{per_query_head_column(interp) / x:.2f}x)"))
     return res
 
 

@@ -224,7 +224,7 @@ MUTATIONS = [
              "        ok = (d >= 0) & (d < WB) & ok_i[None, :] & k_ok[:, None]\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32 or tile")),
     Mutation("triton-second-tap-weight", "kernel offsets", TK,
-             "_dot_p(p * whi[None, :], v2, IN, DOT)", "_dot_p(p * wlo[None, :], v2, IN, DOT)",
+             "p * whi[None, :], v2, IN, DOT)", "p * wlo[None, :], v2, IN, DOT)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
     Mutation("triton-dfrac-value-term", "kernel offsets", TK,
              "ds * (s2 - s1) * sm_scale + p * (dp2 - dp1)", "ds * (s2 - s1) * sm_scale",
@@ -341,7 +341,7 @@ MUTATIONS = [
     Mutation("triton-dq-band-last-block", "kernel tiles", TK,
              "range(i0 - WB, i0 + BLOCK_M, BLOCK_N):\n", "range(i0 - WB, i0 + BLOCK_M - 1, BLOCK_N):\n", BAND),
     Mutation("triton-dkdv-band-last-block", "kernel tiles", TK,
-             "range(j0, j0 + BLOCK_M + WB, BLOCK_N)", "range(j0, j0 + BLOCK_M + WB - 1, BLOCK_N)", BAND),
+             "range(j0, j0 + BLOCK_M + WB, BLOCK_Q)", "range(j0, j0 + BLOCK_M + WB - 1, BLOCK_Q)", BAND),
     Mutation("triton-dq-odd-rung-dropped", "kernel tiles", TK,
              "    for r0 in range(0, nr, RB):\n", "    for r0 in range(0, nr - 1, RB):\n", BAND),
     # ---------------------------------------------------------------- 3. records compared only with themselves

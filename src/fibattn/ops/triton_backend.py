@@ -94,16 +94,32 @@ def config(group: int, head_dim: int, window: int) -> dict:
     block-diagonal mask), and 16 is the least a tensor-core product takes; the ``G`` query
     heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
     warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
-    rungs per rung step make a ``G·M × RB·M`` score block.
+    rungs per rung step make a ``G·M × RB·M`` score block (``RB_TWO_TAP_DQ`` in the two-tap
+    backward's query pass); the key pass's band takes ``BLOCK_Q`` query positions per step.
+    The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
     bm = _env_int("FIBATTN_TRITON_BLOCK_M", 16)
     if bm < 16:
         raise UsageError(f"FIBATTN_TRITON_BLOCK_M must be at least 16 (a tensor-core product's least size), got {bm}")
     bn = min(64, max(16, _pow2(bm + window)))
-    warps = 4 if bg * bm <= 64 else 8
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, RB=2,
-                num_warps=_env_int("FIBATTN_TRITON_WARPS", warps), num_stages=2, **register_cap())
+    # the key pass's band step takes G heads x BLOCK_Q query rows: at most a warpgroup's 64 (4 heads x 32 rows
+    # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
+    bq = min(bn, max(16, 64 // bg))
+    warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
+    # the backward's query pass holds two float32 score blocks (q·kᵀ, dout·vᵀ) of G·M × RB·M per tap: with two taps
+    # it takes fewer rungs a step where they would pass 32 registers a thread (4 heads: 188 registers at RB 2,
+    # 2 programs per SM; 140 at RB 1, 3)
+    rb2 = 2
+    while rb2 > 1 and 4 * bg * bm * rb2 * bm > 32 * 32 * warps:
+        rb2 //= 2
+    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, RB_TWO_TAP_DQ=rb2,
+                num_warps=warps, num_stages=2, **register_cap())
+
+
+def _args(kernel, dims: dict) -> dict:
+    """The constexprs of ``dims`` that ``kernel`` takes (each kernel takes its own tile sizes)."""
+    return {k: v for k, v in dims.items() if k in kernel.arg_names}
 
 
 MAXNREG = 0        # no cap by default (168 would fit 3 programs of 4 warps per SM: 65536 / (168 x 128))
@@ -111,10 +127,10 @@ MAXNREG = 0        # no cap by default (168 would fit 3 programs of 4 warps per 
 
 def register_cap() -> dict:
     """``{"maxnreg": N}``, the registers a thread may use (``FIBATTN_TRITON_MAXNREG``, 0 for no cap; default
-    :data:`MAXNREG`), where this Triton takes it. At 178-241 registers the interpolated kernels fit 2 programs
-    per SM, 2 warps per scheduler: ``tools/gpu_static.py``'s model, calibrated on the H200's times, puts them
-    1.5x faster at 168 registers (3 per scheduler), but ptxas then spills 16-72 bytes, some of it inside the
-    loops, which the model does not price; the GPU check's sweep times both before it becomes the default."""
+    :data:`MAXNREG`), where this Triton takes it. The tiles of :func:`config` keep every kernel of the goal
+    setting at 128-159 registers, 3 programs per SM, uncapped; other settings (Dh 128: up to 188) may gain from a
+    cap, but ptxas spills below what a kernel needs, which ``tools/gpu_static.py``'s model does not price, so the
+    GPU check's sweep times it before any cap becomes a default."""
     n = os.environ.get("FIBATTN_TRITON_MAXNREG")
     try:
         cap = MAXNREG if n is None else int(n)
@@ -293,7 +309,7 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
                                                  *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
                                                  *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
-                                                 **dims, **opts)
+                                                 **_args(kernels().fwd_kernel, dims), **opts)
     return out, lse
 
 
@@ -317,15 +333,17 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     kern = kernels()
     docs = off is not None
     flags = _row_flags(k, v, trace)
+    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": dims["RB_TWO_TAP_DQ"] if two else dims["RB"]})
     _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
-                                               rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout), *_s3(dq),
-                                               T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E), *split(scale),
-                                               TWO_TAP=two, NEED_DFRAC=need, HAS_DOCS=docs, **dims, **opts)
+                                               rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout),
+                                               *_s3(dq), T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
+                                               *split(scale), TWO_TAP=two, NEED_DFRAC=need, HAS_DOCS=docs, **dq_dims,
+                                               **opts)
     _launcher(kern.bwd_dkdv_kernel, trace)[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
                                                  off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
                                                  T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E), *split(scale),
-                                                 TWO_TAP=two, HAS_DOCS=docs, BLOCK_X=block_x(dims["BLOCK_G"]), **dims,
-                                                 **opts)
+                                                 TWO_TAP=two, HAS_DOCS=docs, BLOCK_X=block_x(dims["BLOCK_G"]),
+                                                 **_args(kern.bwd_dkdv_kernel, dims), **opts)
     da = None
     if need_dalpha:
         if need:

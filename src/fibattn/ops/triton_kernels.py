@@ -20,7 +20,9 @@ loads serves the whole group and every product is a ``tl.dot`` (tensor cores):
   ``Q · Kᵀ`` over it keeps only the entries whose row and key share ``m`` (a block-diagonal
   mask). That spends ``M``× the useful multiply-adds, on tensor cores, instead of a
   cross-lane reduction per column;
-- one online-softmax update per block (band block or rung block), not per column.
+- one online-softmax update per block (band block or rung block), not per column;
+- every product that adds into an accumulator hands it to ``tl.dot`` (``_mac``): the tensor
+  cores add it, not one add per element and thread.
 
 Interpolated rungs (``TWO_TAP``, method.md §3) read ``wlo·x[i - lo] + whi·x[max(i - lo - 1, 0)]``;
 both taps are always read so that the gradient of ``frac`` exists at ``frac = 0``, and the taps
@@ -52,10 +54,10 @@ from .triton_tiles import (
     _NEVER,
     NEVER,
     _doc_off,
-    _dot,
-    _dot_p,
     _dot_t,
     _flagged,
+    _mac,
+    _mac_p,
     _rows,
     _rung_keys,
     _softmax_step,
@@ -178,7 +180,7 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
             bad = tl.maximum(bad, tl.max(tl.where(ok & vbad[None, :], 1, 0), axis=1))
         s = tl.where(ok, _dot_t(q, k, IN, DOT).to(ACC) * qk_scale, float("-inf"))
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, s)
-        acc += _dot_p(p, v, IN, DOT)
+        acc = _mac_p(acc, p, v, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                                 # the rungs, RB at a time
         k1, v1, k2, v2, wlo, whi, mm, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T,
@@ -193,9 +195,9 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
             s = _dot_t(q, k1, IN, DOT).to(ACC)
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, tl.where(ok, s * qk_scale, float("-inf")))
         if TWO_TAP:
-            acc += _dot_p(p * wlo[None, :], v1, IN, DOT) + _dot_p(p * whi[None, :], v2, IN, DOT)
+            acc = _mac_p(_mac_p(acc, p * wlo[None, :], v1, IN, DOT), p * whi[None, :], v2, IN, DOT)
         else:
-            acc += _dot_p(p, v1, IN, DOT)
+            acc = _mac_p(acc, p, v1, IN, DOT)
     l_use = tl.where(l_i == 0.0, 1.0, l_i)
     out = tl.where(bad[:, None] > 0, float("nan"), acc / l_use[:, None])
     tl.store(OUT + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -249,7 +251,7 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
         # masked entries are set, not multiplied, to 0: a poisoned row's NaN delta must not reach them
         p = tl.where(ok, tl.exp2(_dot_t(q, k, IN, DOT).to(ACC) * qk_scale - lse[:, None]), 0.0)
         ds = tl.where(ok, p * (_dot_t(do, v, IN, DOT).to(ACC) - delta[:, None]), 0.0)
-        dq += _dot(ds, k, IN, DOT)
+        dq = _mac(dq, ds, k, IN, DOT)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):
         k1, v1, k2, v2, wlo, whi, mm, kok, _ = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt,
@@ -263,11 +265,11 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
             dp2 = _dot_t(do, v2, IN, DOT).to(ACC)
             p = tl.where(ok, tl.exp2((wlo[None, :] * s1 + whi[None, :] * s2) * qk_scale - lse[:, None]), 0.0)
             ds = tl.where(ok, p * (wlo[None, :] * dp1 + whi[None, :] * dp2 - delta[:, None]), 0.0)
-            dq += _dot(ds * wlo[None, :], k1, IN, DOT) + _dot(ds * whi[None, :], k2, IN, DOT)
+            dq = _mac(_mac(dq, ds * wlo[None, :], k1, IN, DOT), ds * whi[None, :], k2, IN, DOT)
         else:
             p = tl.where(ok, tl.exp2(s1 * qk_scale - lse[:, None]), 0.0)
             ds = tl.where(ok, p * (dp1 - delta[:, None]), 0.0)
-            dq += _dot(ds, k1, IN, DOT)
+            dq = _mac(dq, ds, k1, IN, DOT)
         # one value per (row, rung): the block-diagonal mask leaves one entry per rung in a row
         rr = r0 + tl.arange(0, RB)
         slot = stat[:, None] * R + rr[None, :]
@@ -289,7 +291,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                     T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_N: tl.constexpr, RB: tl.constexpr, BLOCK_X: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, BLOCK_X: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -308,12 +310,12 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     dk = tl.zeros([BLOCK_M, BLOCK_D], ACC)
     dv = tl.zeros([BLOCK_M, BLOCK_D], ACC)
 
-    # the band: query rows (g, n0 + n) for blocks of BLOCK_N positions
-    qn = tl.arange(0, BLOCK_G * BLOCK_N)
-    hq = hk * GROUP + qn // BLOCK_N
-    g_ok = (qn // BLOCK_N) < GROUP
-    for n0 in range(j0, j0 + BLOCK_M + WB, BLOCK_N):
-        i = n0 + qn % BLOCK_N
+    # the band: query rows (g, n0 + n) for blocks of BLOCK_Q positions (BLOCK_G x BLOCK_Q rows at a time)
+    qn = tl.arange(0, BLOCK_G * BLOCK_Q)
+    hq = hk * GROUP + qn // BLOCK_Q
+    g_ok = (qn // BLOCK_Q) < GROUP
+    for n0 in range(j0, j0 + BLOCK_M + WB, BLOCK_Q):
+        i = n0 + qn % BLOCK_Q
         ok_i = g_ok & (i < T)
         stat = (b * H + hq) * T + i
         lse = tl.load(LSE + stat, mask=ok_i, other=0.0).to(ACC)
@@ -329,8 +331,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
             ok = ok & (d <= _doc_off(OFF, b, T, i, HAS_DOCS)[None, :])
         pt = tl.where(ok, tl.exp2(_dot_t(k, qb, IN, DOT).to(ACC) * qk_scale - lse[None, :]), 0.0)
         dst = tl.where(ok, pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :]), 0.0)
-        dv += _dot_p(pt, dob, IN, DOT)
-        dk += _dot(dst, qb, IN, DOT)
+        dv = _mac_p(dv, pt, dob, IN, DOT)
+        dk = _mac(dk, dst, qb, IN, DOT)
 
     # the rungs, from the stored P and dS: key row j0 + m reads query rows (g, j0 + m + lo) through
     # its first tap and (g, j0 + m + lo + 1) through its second — the gathered rows of tile
@@ -364,15 +366,15 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                 sup = row[:, None] + 1 == m[None, :]
                 w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(sup, whi, 0.0)
             taps = diag | sup            # set, not multiplied: a NaN dS or P stays in the entries its row reads
-            dk += _dot(tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
-            dv += _dot_p(tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT)
+            dk = _mac(dk, tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
+            dv = _mac_p(dv, tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT)
             qx, dox, dsx, px = _stored(Q, DO, PR, DSR, DELTA, b, hk * GROUP + xg, ix, xg < GROUP, r,
                                        R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d)
-            dk += _dot(tl.where(xlast, whi * dsx[None, :], 0.0), qx, IN, DOT)
-            dv += _dot_p(tl.where(xlast, whi * px[None, :], 0.0), dox, IN, DOT)
+            dk = _mac(dk, tl.where(xlast, whi * dsx[None, :], 0.0), qx, IN, DOT)
+            dv = _mac_p(dv, tl.where(xlast, whi * px[None, :], 0.0), dox, IN, DOT)
         else:
-            dk += _dot(tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
-            dv += _dot_p(tl.where(diag, p[None, :], 0.0), dog, IN, DOT)
+            dk = _mac(dk, tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
+            dv = _mac_p(dv, tl.where(diag, p[None, :], 0.0), dog, IN, DOT)
     tl.store(DK + b * sdkb + hk * sdkh + kr[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=k_ok[:, None] & in_d[None, :])
     tl.store(DV + b * sdvb + hk * sdvh + kr[:, None] * sdvt + offs_d[None, :],

@@ -30,27 +30,31 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     GM = cfg["BLOCK_G"] * M
     band = -(-(M + window) // BN)               # band steps of an interior tile
     chunks = -(-n_rungs // RB)
+    rb_dq = cfg["RB_TWO_TAP_DQ"] if two_tap else RB
+    dq_chunks = -(-n_rungs // rb_dq)
+    band_q = -(-(M + window) // cfg["BLOCK_Q"])   # the key pass's band steps
     half = dtype in ("bf16", "fp16")
     mm = 2.0 * D                                 # flops of one (row, column) product
     split_p = 2 if half else 1                   # probabilities in as hi + lo
     # forward: band q.k and p.v; rung blocks q.k (two-tap: split keys) and p.v (two-tap: 3 products)
     fwd = band * GM * BN * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
         (2 if two_tap and half else 1) + (3 if two_tap and half else split_p))
-    dq = (band * GM * BN * mm * 3 + chunks * GM * RB * M * mm * (3 + (2 if two_tap and half else 0)
-                                                                 + (4 if two_tap else 0)))
+    dq = (band * GM * BN * mm * 3 + dq_chunks * GM * rb_dq * M * mm * (3 + (2 if two_tap and half else 0)
+                                                                       + (4 if two_tap else 0)))
     taps = 2 if two_tap else 1
-    dkdv = band * cfg["BLOCK_G"] * BN * M * mm * (4 + split_p) + n_rungs * taps * M * GM * mm * (1 + split_p)
+    dkdv = band_q * cfg["BLOCK_G"] * cfg["BLOCK_Q"] * M * mm * (4 + split_p) + n_rungs * taps * M * GM * mm * (1 + split_p)
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
     rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
     plans = [(kern.fwd_kernel, "forward", {}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
-             (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap}, [band, chunks], dq,
+             (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap, "RB": rb_dq}, [band, dq_chunks], dq,
               4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2),
-             (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": block_x(cfg["BLOCK_G"])}, [band, n_rungs], dkdv,
+             (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": block_x(cfg["BLOCK_G"])}, [band_q, n_rungs], dkdv,
               2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats)]
     res = []
     for fn, kind, extra, trips, flops, nbytes in plans:
-        consts = dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg, **extra,
-                      **({} if docs else {"OFF": None}))          # no documents: launched with off=None
+        consts = {k: v for k, v in dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg)
+                  .items() if k in fn.arg_names}
+        consts.update(extra, **({} if docs else {"OFF": None}))          # no documents: launched with off=None
         sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
                for a in fn.arg_names}
         sig.update({a: "fp32" for a in ("qk_scale", "sm_scale", "qk_lo", "sm_lo") if a in sig})

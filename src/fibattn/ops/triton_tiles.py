@@ -51,16 +51,27 @@ def _dot(a, b, IN: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_p(p, x, IN: tl.constexpr, DOT: tl.constexpr):
-    """``p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
+def _mac(acc, a, b, IN: tl.constexpr, DOT: tl.constexpr):
+    """``acc + a · b`` (as :func:`_dot`), added by the product itself: the tensor cores accumulate into ``acc``,
+    where a separate ``+`` costs one add per accumulator element and thread (32 for a 64 x 64 tile)."""
+    a = a.to(IN).to(DOT)
+    b = b.to(IN).to(DOT)
+    if DOT == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _mac_p(acc, p, x, IN: tl.constexpr, DOT: tl.constexpr):
+    """``acc + p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
     half-precision inputs ``p`` goes in as two half-precision parts, ``hi + lo``, so that the
-    output keeps float32 probabilities' accuracy — one rounding at the end — for one more
-    tensor-core product."""
+    output keeps float32 probabilities' accuracy for one more tensor-core product."""
     if IN == tl.float16 or IN == tl.bfloat16:
         hi = p.to(IN)
-        return _dot(hi, x, IN, DOT) + _dot(p - hi.to(p.dtype), x, IN, DOT)
+        return _mac(_mac(acc, hi, x, IN, DOT), p - hi.to(p.dtype), x, IN, DOT)
     else:
-        return _dot(p, x, IN, DOT)
+        return _mac(acc, p, x, IN, DOT)
 
 
 @triton.jit
