@@ -42,7 +42,8 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     dq = (band * GM * BN * mm * 3 + dq_chunks * GM * rb_dq * M * mm * (3 + (2 if two_tap and half else 0)
                                                                        + (4 if two_tap else 0)))
     taps = 2 if two_tap else 1
-    dkdv = band_q * cfg["BLOCK_G"] * cfg["BLOCK_Q"] * M * mm * (4 + split_p) + n_rungs * taps * M * GM * mm * (1 + split_p)
+    dkdv = (band_q * cfg["BLOCK_G"] * cfg["BLOCK_Q"] * M * mm * (4 + split_p)
+            + n_rungs * taps * M * GM * mm * (1 + split_p))
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
     rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
     plans = [(kern.fwd_kernel, "forward", {}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
