@@ -318,15 +318,18 @@ def test_generate_times_the_static_step_of_a_batch(capsys, one_thread):
 
 
 def test_generate_prefill_compiled_and_in_chunks(capsys, one_thread):
-    """``--decode compiled --prefill-chunk 24``: the prefill runs compiled, in chunks, its compile run untimed, and
-    reports its total (the attention core is inside the graphs)."""
+    """``--contexts '' --decode compiled --prefill-chunk 24``: prefill only (no decode step compiled), compiled, in
+    chunks, its compile run untimed, and reported as a total (the attention core is inside the graphs)."""
     torch._dynamo.reset()
-    assert cli_main(["bench", "generate", "--shapes", "tiny", "--contexts", "16", "--prefill", "64",
-                     "--variants", "static", "--steps", "1", "--reps", "1", "--prefill-reps", "1",
-                     "--decode-threads", "1", "--decode", "compiled", "--prefill-chunk", "24", "--json"]) == 0
+    assert cli_main(["bench", "generate", "--shapes", "tiny", "--contexts", "", "--prefill", "48",
+                     "--variants", "static", "--prefill-reps", "1", "--decode", "compiled", "--prefill-chunk", "24",
+                     "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    (pre,) = [r for r in doc["results"] if "prefill_s" in r]
+    (pre,) = doc["results"]
+    assert "decode_ms" not in pre and doc["ratios"] == {"tiny": {}}
     assert pre["prefill_compiled"] and pre["prefill_attn_s"] is None and pre["prefill_s"] > 0
+    assert cli_main(["bench", "generate", "--contexts", "", "--prefill", ""]) == 2
+    assert "--contexts and --prefill are both empty" in capsys.readouterr().err
 
 
 def test_hf_generate_times_the_remote_code_export_beside_fibattn(capsys, tmp_path, one_thread):

@@ -77,7 +77,7 @@ def generate(r, summary: dict) -> None:
     base = ["bench", "generate", "--device", r.device, "--shapes", shape, "--json"]
     runs = {"bench_generate": base + ["--contexts", ctxs, "--prefill", "", "--decode", "static", *extra],
             # the prefill through the compiled model, in chunks (its compile run untimed), sparse beside dense
-            "bench_generate_prefill": base + ["--contexts", ctxs.split(",")[0], "--prefill", pre, "--variants",
+            "bench_generate_prefill": base + ["--contexts", "", "--prefill", pre, "--variants",
                                               "dense,static", "--decode", "compiled", "--prefill-reps", "1", *extra],
             "bench_generate_long": base + ["--contexts", long_ctx, "--prefill", "", "--variants", "static,learned",
                                            "--decode", "static", *extra],

@@ -21,7 +21,8 @@ two rows). Shapes: the ``tiny`` and ``paper`` presets.
   runs interleaved across variants) with ``--threads`` threads, and the median is
   reported, total and inside the attention core. For models deeper than 4 layers only
   ``--prefill-layers`` blocks (default 1, the middle one) run and times are scaled by
-  ``n_layers / K`` (blocks cost the same).
+  ``n_layers / K`` (blocks cost the same). ``--contexts ''`` times prefill alone (no decode
+  step is built or compiled), ``--prefill ''`` decode alone.
 
 Goals on a CPU: sparse decode at the longest context within 1.2× of the shortest, with
 the same cache size once the distance set is complete; learned ≤ 1.5× static; sparse
@@ -70,7 +71,7 @@ def _list(text: str, name: str, kind=int, allowed=None, empty: bool = False) -> 
 
 
 def configure_parser(parser) -> None:
-    parser.add_argument("--contexts", default="1024,4096,16384,65536", help="decode contexts")
+    parser.add_argument("--contexts", default="1024,4096,16384,65536", help="decode contexts ('': prefill only)")
     parser.add_argument("--prefill", default="4096,16384", help="prefill lengths ('': decode only)")
     parser.add_argument("--shapes", default="tiny,paper", help="model shapes: tiny, paper")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="dense, static, learned")
@@ -237,7 +238,7 @@ def ratios(records: list[dict]) -> dict:
         got: dict = {}
         decoded = sorted({c for (_, c), r in rec.items() if "decode_ms" in r})
         for v in ("static", "learned"):
-            if (v, decoded[0]) in rec and len(decoded) > 1 and "decode_ms" in rec[v, decoded[0]]:
+            if len(decoded) > 1 and (v, decoded[0]) in rec and "decode_ms" in rec[v, decoded[0]]:
                 lo, hi = rec[v, decoded[0]], rec[v, decoded[-1]]
                 got[f"{v}_decode_{hi['context']}_over_{lo['context']}"] = hi["decode_ms"] / lo["decode_ms"]
                 full = [c for c in decoded if c >= lo.get("full_set_context", 0)]
@@ -328,8 +329,11 @@ def check_fits(shape: str, variants: list[str], contexts: list[int], prefill: li
 
 def run(args) -> int:
     args.device = str(resolve_device(args.device))      # first: the checks below depend on it
-    contexts = _list(args.contexts, "--contexts")
+    contexts = _list(args.contexts, "--contexts", empty=True)
     prefill = _list(args.prefill, "--prefill", empty=True)
+    if not contexts and not prefill:
+        raise ConfigError("--contexts and --prefill are both empty: nothing to time (give decode contexts, prefill "
+                          "lengths or both)")
     shapes = _list(args.shapes, "--shapes", str, ("tiny", "paper"))
     variants = [v for v in VARIANTS if v in _list(args.variants, "--variants", str, VARIANTS)]
     thread_candidates(args.decode_threads, "cpu")            # checks the list before any work
