@@ -166,3 +166,34 @@ def test_gpu_tests_that_were_skipped_are_not_counted_as_passed(tmp_path, monkeyp
     tool.tests(r, summary)
     assert summary["tests"]["passed_all"] is False and summary["tests"]["skipped"] == 12
     assert r.steps["tests"]["status"] == "skipped" and tool.outcome(r.steps, summary)["exit"] == 1
+
+
+def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
+    """The sweep's seven runs (seven processes; not run here): each command is one fibattn's own parser takes,
+    each setting one ``triton_backend.config`` takes (the tiles before issue 56's third round among them), and
+    each record carries its settings."""
+    from fibattn.cli import build_parser
+    from fibattn.ops import triton_backend
+    calls = []
+
+    class Stub:
+        quick, device = False, "cuda"
+
+        def run(self, name, cmd, limit, env=None):
+            calls.append((name, cmd, env))
+            return '{"path": "integer", "ms": 1.0}\n'
+
+    summary = {}
+    _tool().sweep(Stub(), summary)
+    assert len(calls) == len(summary["sweep"]) == 7 and len({name for name, _, _ in calls}) == 7
+    for name, cmd, env in calls:
+        assert build_parser().parse_args(cmd[3:]).lengths == "16384"          # after "python -m fibattn.cli"
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        cfg = triton_backend.config(4, 64, 12)
+        assert (cfg["BLOCK_M"], cfg["num_warps"]) == (int(env["FIBATTN_TRITON_BLOCK_M"]),
+                                                      int(env["FIBATTN_TRITON_WARPS"]))
+        for key in env:
+            monkeypatch.delenv(key)
+    old = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_BLOCK_Q") == "32"]
+    assert len(old) == 1 and old[0]["FIBATTN_TRITON_RB_TWO_TAP_DQ"] == "2"

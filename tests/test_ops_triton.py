@@ -176,6 +176,28 @@ def test_block_size_override_is_checked(monkeypatch):
     monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "8")
     with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_M must be at least 16"):
         triton_backend.config(1, 64, 12)
+    monkeypatch.delenv("FIBATTN_TRITON_BLOCK_M")
+    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_Q", "8")
+    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_Q must be at least 16"):
+        triton_backend.config(4, 64, 12)
+    monkeypatch.delenv("FIBATTN_TRITON_BLOCK_Q")
+    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3")
+    with pytest.raises(ValueError, match="FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"):
+        triton_backend.config(4, 64, 12)
+
+
+@pytest.mark.parametrize("group, head_dim, block_q, rb_dq", [(1, 64, 32, 2), (2, 64, 32, 2), (4, 64, 16, 1),
+                                                             (8, 64, 16, 1), (4, 128, 16, 1)])
+def test_tiles_keep_the_key_pass_band_and_two_tap_query_pass_small(group, head_dim, block_q, rb_dq, monkeypatch):
+    """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions),
+    and the two-tap query pass fewer rungs a step where its four score blocks pass 32 registers a thread; both
+    settings can be forced (the GPU check's sweep times the tiles before this choice)."""
+    cfg = triton_backend.config(group, head_dim, 12)
+    assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"], cfg["RB_TWO_TAP_DQ"]) == (32, block_q, 2, rb_dq)
+    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_Q", "32")
+    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "2")
+    cfg = triton_backend.config(group, head_dim, 12)
+    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"]) == (32, 2)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,9 @@ On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPR
 set before fibattn first uses this backend): slow, but exact enough to test against the
 reference without a GPU.
 
-Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M`` and
-``FIBATTN_TRITON_WARPS`` override them (the GPU check script sweeps them).
+Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M``,
+``FIBATTN_TRITON_WARPS``, ``FIBATTN_TRITON_BLOCK_Q`` and ``FIBATTN_TRITON_RB_TWO_TAP_DQ`` override
+them (the GPU check script sweeps them).
 """
 from __future__ import annotations
 
@@ -105,7 +106,9 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bn = min(64, max(16, _pow2(bm + window)))
     # the key pass's band step takes G heads x BLOCK_Q query rows: at most a warpgroup's 64 (4 heads x 32 rows
     # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
-    bq = min(bn, max(16, 64 // bg))
+    bq = _env_int("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
+    if bq < 16:
+        raise UsageError(f"FIBATTN_TRITON_BLOCK_Q must be at least 16 (a tensor-core product's least size), got {bq}")
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
     # the backward's query pass holds two float32 score blocks (q·kᵀ, dout·vᵀ) of G·M × RB·M per tap: with two taps
     # it takes fewer rungs a step where they would pass 32 registers a thread (4 heads: 188 registers at RB 2,
@@ -113,6 +116,7 @@ def config(group: int, head_dim: int, window: int) -> dict:
     rb2 = 2
     while rb2 > 1 and 4 * bg * bm * rb2 * bm > 32 * 32 * warps:
         rb2 //= 2
+    rb2 = _env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rb2)
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, RB_TWO_TAP_DQ=rb2,
                 num_warps=warps, num_stages=2, **register_cap())
 
@@ -265,7 +269,7 @@ def _launch(q, hkv, wb, trace: bool = False):
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
     key = tuple(env.get(k) for k in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG",
-                                      "TRITON_INTERPRET"))
+                                      "FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "TRITON_INTERPRET"))
     if trace:                     # symbolic sizes: nothing to cache
         return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, True)
     return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
