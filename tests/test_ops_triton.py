@@ -186,18 +186,22 @@ def test_block_size_override_is_checked(monkeypatch):
         triton_backend.config(4, 64, 12)
 
 
-@pytest.mark.parametrize("group, head_dim, block_q, rb_dq", [(1, 64, 32, 2), (2, 64, 32, 2), (4, 64, 16, 1),
-                                                             (8, 64, 16, 1), (4, 128, 16, 1)])
-def test_tiles_keep_the_key_pass_band_and_two_tap_query_pass_small(group, head_dim, block_q, rb_dq, monkeypatch):
+@pytest.mark.parametrize("group, head_dim, block_q, rb_dq, rb_docs", [
+    (1, 64, 32, 2, 2), (2, 64, 32, 2, 2), (4, 64, 16, 1, 1), (8, 64, 16, 1, 1), (4, 128, 16, 1, 1)])
+def test_tiles_keep_each_kernels_registers_down(group, head_dim, block_q, rb_dq, rb_docs, monkeypatch):
     """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions),
-    and the two-tap query pass fewer rungs a step where its four score blocks pass 32 registers a thread; both
-    settings can be forced (the GPU check's sweep times the tiles before this choice)."""
+    and a two-tap rung step (the query pass; the forward with documents) fewer rungs where its score blocks pass
+    32 registers a thread; each setting can be forced (the GPU check's sweep times the tiles before this choice)."""
     cfg = triton_backend.config(group, head_dim, 12)
-    assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"], cfg["RB_TWO_TAP_DQ"]) == (32, block_q, 2, rb_dq)
-    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_Q", "32")
-    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "2")
+    assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_TWO_TAP_DOCS"]) == (rb_dq, rb_docs)
+    fwd, dq = triton_backend.forward_rungs, triton_backend.query_pass_rungs
+    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (rb_docs, 2, 2)
+    assert (dq(cfg, True), dq(cfg, False)) == (rb_dq, 2)
+    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_RB_TWO_TAP_DOCS"):
+        monkeypatch.setenv(key, "32" if key.endswith("BLOCK_Q") else "2")
     cfg = triton_backend.config(group, head_dim, 12)
-    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"]) == (32, 2)
+    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["RB_TWO_TAP_DOCS"]) == (32, 2, 2)
 
 
 @pytest.mark.gpu

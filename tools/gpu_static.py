@@ -68,7 +68,8 @@ A kernel's ``pass`` (``forward`` / ``backward``) comes with it from ``static_ker
 
 ``--documents`` also compiles both ops' kernels with documents (issue 25: ``off``, each
 position's offset in its document) and prints their thread-instructions per (query, head,
-column) next to the plain ones; with ``--goals`` it adds issue 25's bound on the difference.
+column) next to the plain ones; with ``--goals`` it adds issue 25's bound on the difference (on the model's
+time).
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ FA2_FWD_FLOPS, FA2_BWD_FLOPS = 386e12, 257e12
 # 58) cost 14 %, products that accumulate in place and tiles that fit 3 programs per SM (issue 56) won back 18 %
 # (18x / 74x). Issue 22's 20x / 80x were set on the uncalibrated model (one 0.6 efficiency, FA2 at 330 / 220).
 # max_interpolated_ratio is on the model's time at every length (issue 56's goal is a time, 1.4x on the card): the
-# two ops differ most in registers, i.e. programs per SM, which a ratio of instructions does not see.
+# two ops differ most in registers, i.e. programs per SM, which a ratio of instructions does not see;
+# max_documents_ratio likewise (issue 56 item 5: documents <= 10 % of the time).
 GOALS = {"max_thread_instructions": 1200, "max_interpolated_ratio": 1.6,
          "min_speedup": {4096: 4.0, 16384: 17.0, 65536: 70.0}, "max_documents_ratio": 1.1}
 
@@ -306,12 +308,18 @@ def documents_ratios(plain: list[list[KernelStats]], docs: list[list[KernelStats
     return [per_query_head_column(d) / per_query_head_column(p) for p, d in zip(plain, docs)]
 
 
+def documents_time_ratios(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> list[float]:
+    """The model's time with documents over without, per op (the worst length)."""
+    return [max(estimate_ms(d, T) / estimate_ms(p, T) for T in LENGTHS) for p, d in zip(plain, docs)]
+
+
 def check_documents(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> list[tuple[str, bool, str]]:
     """Issue 25's goal for ``--documents``: both ops' kernels with documents within the bound."""
-    worst = max(documents_ratios(plain, docs))
+    worst = max(documents_time_ratios(plain, docs))
     spilled = [s.name for op in docs for s in op if s.spill_bytes or s.local_memory_instructions]
-    return [(f"documents <= {GOALS['max_documents_ratio']}x plain thread-instructions",
-             worst <= GOALS["max_documents_ratio"], f"{worst:.3f}x (worst op)"),
+    return [(f"documents <= {GOALS['max_documents_ratio']}x plain (the model's time, every length)",
+             worst <= GOALS["max_documents_ratio"], f"{worst:.3f}x (worst op; thread-instructions "
+             f"{max(documents_ratios(plain, docs)):.3f}x)"),
             ("no spills with documents", not spilled, ", ".join(spilled) or "none")]
 
 
@@ -376,9 +384,10 @@ def print_report(integer: list[KernelStats], interp: list[KernelStats]) -> None:
 
 def print_documents(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> None:
     print("\nwith documents (issue 25), thread-instructions per (query, head, column):")
-    for title, p, d, r in zip(("integer op", "interpolated op"), plain, docs, documents_ratios(plain, docs)):
+    for title, p, d, r, t in zip(("integer op", "interpolated op"), plain, docs, documents_ratios(plain, docs),
+                                 documents_time_ratios(plain, docs)):
         print(f"  {title:<16}{per_query_head_column(p):>8,.0f} plain{per_query_head_column(d):>8,.0f} "
-              f"with documents ({r - 1:+.1%})")
+              f"with documents ({r - 1:+.1%}; the model's time {t - 1:+.1%})")
         for a, b in zip(p, d):
             print(f"    {b.name:<40}{b.per_query_head_column:>8,.0f} ({a.per_query_head_column:,.0f} plain), "
                   f"{b.registers} registers, {b.spill_bytes} B stack")
@@ -408,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         out = report(integer, interp)
         if docs:
             out["documents"] = {"integer": op_summary(docs[0]), "interpolated": op_summary(docs[1]),
-                                "ratios": [round(r, 3) for r in documents_ratios([integer, interp], docs)]}
+                                "ratios": [round(r, 3) for r in documents_ratios([integer, interp], docs)],
+                                "time_ratios": [round(r, 3) for r in documents_time_ratios([integer, interp], docs)]}
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
     if args.goals:

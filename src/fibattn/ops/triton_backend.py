@@ -19,8 +19,8 @@ set before fibattn first uses this backend): slow, but exact enough to test agai
 reference without a GPU.
 
 Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M``,
-``FIBATTN_TRITON_WARPS``, ``FIBATTN_TRITON_BLOCK_Q`` and ``FIBATTN_TRITON_RB_TWO_TAP_DQ`` override
-them (the GPU check script sweeps them).
+``FIBATTN_TRITON_WARPS``, ``FIBATTN_TRITON_BLOCK_Q``, ``FIBATTN_TRITON_RB_TWO_TAP_DQ`` and
+``FIBATTN_TRITON_RB_TWO_TAP_DOCS`` override them (the GPU check script sweeps them).
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def config(group: int, head_dim: int, window: int) -> dict:
     heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
     warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
     rungs per rung step make a ``G·M × RB·M`` score block (``RB_TWO_TAP_DQ`` in the two-tap
-    backward's query pass); the key pass's band takes ``BLOCK_Q`` query positions per step.
+    backward's query pass, ``RB_TWO_TAP_DOCS`` in the two-tap forward with documents); the key
+    pass's band takes ``BLOCK_Q`` query positions per step.
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
@@ -110,15 +111,30 @@ def config(group: int, head_dim: int, window: int) -> dict:
     if bq < 16:
         raise UsageError(f"FIBATTN_TRITON_BLOCK_Q must be at least 16 (a tensor-core product's least size), got {bq}")
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
-    # the backward's query pass holds two float32 score blocks (q·kᵀ, dout·vᵀ) of G·M × RB·M per tap: with two taps
-    # it takes fewer rungs a step where they would pass 32 registers a thread (4 heads: 188 registers at RB 2,
-    # 2 programs per SM; 140 at RB 1, 3)
-    rb2 = 2
-    while rb2 > 1 and 4 * bg * bm * rb2 * bm > 32 * 32 * warps:
-        rb2 //= 2
-    rb2 = _env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rb2)
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, RB_TWO_TAP_DQ=rb2,
+    # a rung step holds float32 score blocks of G·M × RB·M: the backward's query pass two per tap (q·kᵀ, dout·vᵀ),
+    # the forward one per tap and, with documents and two taps, a third's worth (the columns' document offsets
+    # and clamped second-tap rows). Where they would pass 32 registers a thread a step takes fewer rungs (4 heads:
+    # the two-tap query pass 188 registers at RB 2, 2 programs per SM, 140 at RB 1, 3; the two-tap forward with
+    # documents 180 and 156)
+    def rungs(blocks: int) -> int:
+        rb = 2
+        while rb > 1 and blocks * bg * bm * rb * bm > 32 * 32 * warps:
+            rb //= 2
+        return rb
+    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2,
+                RB_TWO_TAP_DQ=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rungs(4)),
+                RB_TWO_TAP_DOCS=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DOCS", rungs(3)),
                 num_warps=warps, num_stages=2, **register_cap())
+
+
+def forward_rungs(dims: dict, two_tap: bool, docs: bool) -> int:
+    """Rungs per step of the forward (:func:`config`'s ``RB``; ``RB_TWO_TAP_DOCS`` with two taps and documents)."""
+    return dims["RB_TWO_TAP_DOCS"] if two_tap and docs else dims["RB"]
+
+
+def query_pass_rungs(dims: dict, two_tap: bool) -> int:
+    """Rungs per step of the backward's query pass (``RB``; ``RB_TWO_TAP_DQ`` with two taps)."""
+    return dims["RB_TWO_TAP_DQ"] if two_tap else dims["RB"]
 
 
 def _args(kernel, dims: dict) -> dict:
@@ -269,7 +285,8 @@ def _launch(q, hkv, wb, trace: bool = False):
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
     key = tuple(env.get(k) for k in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG",
-                                      "FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "TRITON_INTERPRET"))
+                                      "FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ",
+                                      "FIBATTN_TRITON_RB_TWO_TAP_DOCS", "TRITON_INTERPRET"))
     if trace:                     # symbolic sizes: nothing to cache
         return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, True)
     return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
@@ -309,11 +326,12 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
     grid, dims, opts = _launch(q, hkv, wb, trace)
+    rb = forward_rungs(dims, two, off is not None)
     flags = _row_flags(k, v, trace)
     _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
                                                  *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
                                                  *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
-                                                 **_args(kernels().fwd_kernel, dims), **opts)
+                                                 **_args(kernels().fwd_kernel, {**dims, "RB": rb}), **opts)
     return out, lse
 
 
@@ -337,7 +355,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     kern = kernels()
     docs = off is not None
     flags = _row_flags(k, v, trace)
-    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": dims["RB_TWO_TAP_DQ"] if two else dims["RB"]})
+    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": query_pass_rungs(dims, two)})
     _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
                                                rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout),
                                                *_s3(dq), T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),

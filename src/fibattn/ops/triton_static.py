@@ -3,7 +3,7 @@
 them, and what each program of an interior tile does (loops, products, bytes)."""
 from __future__ import annotations
 
-from .triton_backend import block_x, config, kernels
+from .triton_backend import block_x, config, forward_rungs, kernels, query_pass_rungs
 
 _POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64",
              "DFRAC": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
@@ -26,11 +26,11 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
                 **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
-    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
+    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], forward_rungs(cfg, two_tap, docs), cfg["BLOCK_D"]
     GM = cfg["BLOCK_G"] * M
     band = -(-(M + window) // BN)               # band steps of an interior tile
     chunks = -(-n_rungs // RB)
-    rb_dq = cfg["RB_TWO_TAP_DQ"] if two_tap else RB
+    rb_dq = query_pass_rungs(cfg, two_tap)
     dq_chunks = -(-n_rungs // rb_dq)
     band_q = -(-(M + window) // cfg["BLOCK_Q"])   # the key pass's band steps
     half = dtype in ("bf16", "fp16")
@@ -46,7 +46,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
             + n_rungs * taps * M * GM * mm * (1 + split_p))
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
     rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
-    plans = [(kern.fwd_kernel, "forward", {}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
+    plans = [(kern.fwd_kernel, "forward", {"RB": RB}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
              (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap, "RB": rb_dq}, [band, dq_chunks], dq,
               4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2),
              (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": block_x(cfg["BLOCK_G"])}, [band_q, n_rungs], dkdv,
