@@ -344,6 +344,12 @@ MUTATIONS = [
              "range(j0, j0 + BLOCK_M + WB, BLOCK_Q)", "range(j0, j0 + BLOCK_M + WB - 1, BLOCK_Q)", BAND),
     Mutation("triton-dq-odd-rung-dropped", "kernel tiles", TK,
              "    for r0 in range(0, nr, RB):\n", "    for r0 in range(0, nr - 1, RB):\n", BAND),
+    Mutation("triton-product-drops-its-accumulator", "kernel tiles", OPS + "triton_tiles.py",
+             'return tl.dot(a, b, acc, input_precision="ieee")', 'return tl.dot(a, b, input_precision="ieee")',
+             (TRITON, "-k", "integer_fp32")),
+    Mutation("triton-documents-forward-rung-step-ignored", "kernel tiles", OPS + "triton_backend.py",
+             'return dims["RB_TWO_TAP_DOCS"] if two_tap and docs else dims["RB"]', 'return dims["RB"]',
+             (TRITON, "-k", "tiles_keep")),
     # ---------------------------------------------------------------- 3. records compared only with themselves
     Mutation("eval-sha-of-native-dtype", "self-compared", PPL,
              "hashlib.sha256(targets.astype(np.int64).tobytes())", "hashlib.sha256(targets.tobytes())",
