@@ -186,22 +186,23 @@ def test_block_size_override_is_checked(monkeypatch):
         triton_backend.config(4, 64, 12)
 
 
-@pytest.mark.parametrize("group, head_dim, block_q, rb_dq, rb_docs", [
-    (1, 64, 32, 2, 2), (2, 64, 32, 2, 2), (4, 64, 16, 1, 1), (8, 64, 16, 1, 1), (4, 128, 16, 1, 1)])
-def test_tiles_keep_each_kernels_registers_down(group, head_dim, block_q, rb_dq, rb_docs, monkeypatch):
-    """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions),
-    and a two-tap rung step (the query pass; the forward with documents) fewer rungs where its score blocks pass
-    32 registers a thread; each setting can be forced (the GPU check's sweep times the tiles before this choice)."""
+@pytest.mark.parametrize("group, head_dim, block_q, rb_dq, bn_docs", [
+    (1, 64, 32, 2, 32), (2, 64, 32, 2, 32), (4, 64, 16, 1, 16), (8, 64, 16, 1, 16), (4, 128, 16, 1, 16)])
+def test_tiles_keep_each_kernels_registers_down(group, head_dim, block_q, rb_dq, bn_docs, monkeypatch):
+    """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions);
+    where a two-tap step's score blocks pass 32 registers a thread, the query pass takes fewer rungs a step and the
+    forward with documents a band step of 16 keys; each setting can be forced (the GPU check's sweep times the
+    tiles before this choice)."""
     cfg = triton_backend.config(group, head_dim, 12)
     assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_TWO_TAP_DOCS"]) == (rb_dq, rb_docs)
-    fwd, dq = triton_backend.forward_rungs, triton_backend.query_pass_rungs
-    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (rb_docs, 2, 2)
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (rb_dq, bn_docs)
+    fwd, dq = triton_backend.forward_band, triton_backend.query_pass_rungs
+    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (bn_docs, 32, 32)
     assert (dq(cfg, True), dq(cfg, False)) == (rb_dq, 2)
-    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_RB_TWO_TAP_DOCS"):
-        monkeypatch.setenv(key, "32" if key.endswith("BLOCK_Q") else "2")
+    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
+        monkeypatch.setenv(key, "2" if key.endswith("DQ") else "32")
     cfg = triton_backend.config(group, head_dim, 12)
-    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["RB_TWO_TAP_DOCS"]) == (32, 2, 2)
+    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (32, 2, 32)
 
 
 @pytest.mark.gpu

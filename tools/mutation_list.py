@@ -216,8 +216,10 @@ MUTATIONS = [
     Mutation("triton-clamped-tap-dropped", "kernel bounds", TK,
              "wlo + whi * (kr == 0).to(ACC)[:, None]", "wlo + 0.0 * (kr == 0).to(ACC)[:, None]",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
-    Mutation("triton-key-pass-extra-row", "kernel tiles", TK,
-             "j0 + BLOCK_M + lo + 0 * xg", "j0 + BLOCK_M - 1 + lo + 0 * xg",
+    # (the kernel's own store mask, `own`, is not mutated: a program writing its last row too races with the next
+    # program on a GPU, and the interpreter, running programs in order, always lets the right one win)
+    Mutation("triton-key-pass-owns-its-last-row", "kernel tiles", OPS + "triton_backend.py",
+             "return block_m - 1 if two_tap else block_m", "return block_m",
              ("tests/test_ops_triton.py", "-k", "interpolated or tile")),
     Mutation("triton-key-pass-band-edge", "kernel tiles", TK,
              "        ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]\n",
@@ -347,8 +349,8 @@ MUTATIONS = [
     Mutation("triton-product-drops-its-accumulator", "kernel tiles", OPS + "triton_tiles.py",
              'return tl.dot(a, b, acc, input_precision="ieee")', 'return tl.dot(a, b, input_precision="ieee")',
              (TRITON, "-k", "integer_fp32")),
-    Mutation("triton-documents-forward-rung-step-ignored", "kernel tiles", OPS + "triton_backend.py",
-             'return dims["RB_TWO_TAP_DOCS"] if two_tap and docs else dims["RB"]', 'return dims["RB"]',
+    Mutation("triton-documents-forward-band-step-ignored", "kernel tiles", OPS + "triton_backend.py",
+             'return dims["BLOCK_N_TWO_TAP_DOCS"] if two_tap and docs else dims["BLOCK_N"]', 'return dims["BLOCK_N"]',
              (TRITON, "-k", "tiles_keep")),
     # ---------------------------------------------------------------- 3. records compared only with themselves
     Mutation("eval-sha-of-native-dtype", "self-compared", PPL,

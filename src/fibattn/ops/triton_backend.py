@@ -20,7 +20,7 @@ reference without a GPU.
 
 Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M``,
 ``FIBATTN_TRITON_WARPS``, ``FIBATTN_TRITON_BLOCK_Q``, ``FIBATTN_TRITON_RB_TWO_TAP_DQ`` and
-``FIBATTN_TRITON_RB_TWO_TAP_DOCS`` override them (the GPU check script sweeps them).
+``FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS`` override them (the GPU check script sweeps them).
 """
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def config(group: int, head_dim: int, window: int) -> dict:
     heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
     warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
     rungs per rung step make a ``G·M × RB·M`` score block (``RB_TWO_TAP_DQ`` in the two-tap
-    backward's query pass, ``RB_TWO_TAP_DOCS`` in the two-tap forward with documents); the key
-    pass's band takes ``BLOCK_Q`` query positions per step.
+    backward's query pass); the two-tap forward with documents takes ``BLOCK_N_TWO_TAP_DOCS``
+    keys per band step, the key pass's band ``BLOCK_Q`` query positions per step.
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
@@ -113,9 +113,9 @@ def config(group: int, head_dim: int, window: int) -> dict:
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
     # a rung step holds float32 score blocks of G·M × RB·M: the backward's query pass two per tap (q·kᵀ, dout·vᵀ),
     # the forward one per tap and, with documents and two taps, a third's worth (the columns' document offsets
-    # and clamped second-tap rows). Where they would pass 32 registers a thread a step takes fewer rungs (4 heads:
-    # the two-tap query pass 188 registers at RB 2, 2 programs per SM, 140 at RB 1, 3; the two-tap forward with
-    # documents 180 and 156)
+    # and clamped second-tap rows). Where they would pass 32 registers a thread the query pass takes fewer rungs a
+    # step (4 heads: 188 registers at RB 2, 2 programs per SM; 140 at RB 1, 3) and the forward a band step of 16
+    # keys (180 registers at 32, 147 at 16; one rung a step instead: 156, at 18 % more instructions)
     def rungs(blocks: int) -> int:
         rb = 2
         while rb > 1 and blocks * bg * bm * rb * bm > 32 * 32 * warps:
@@ -123,13 +123,14 @@ def config(group: int, head_dim: int, window: int) -> dict:
         return rb
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2,
                 RB_TWO_TAP_DQ=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rungs(4)),
-                RB_TWO_TAP_DOCS=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DOCS", rungs(3)),
+                BLOCK_N_TWO_TAP_DOCS=_env_int("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16),
                 num_warps=warps, num_stages=2, **register_cap())
 
 
-def forward_rungs(dims: dict, two_tap: bool, docs: bool) -> int:
-    """Rungs per step of the forward (:func:`config`'s ``RB``; ``RB_TWO_TAP_DOCS`` with two taps and documents)."""
-    return dims["RB_TWO_TAP_DOCS"] if two_tap and docs else dims["RB"]
+def forward_band(dims: dict, two_tap: bool, docs: bool) -> int:
+    """Keys per band step of the forward (:func:`config`'s ``BLOCK_N``; ``BLOCK_N_TWO_TAP_DOCS`` with two taps and
+    documents)."""
+    return dims["BLOCK_N_TWO_TAP_DOCS"] if two_tap and docs else dims["BLOCK_N"]
 
 
 def query_pass_rungs(dims: dict, two_tap: bool) -> int:
@@ -274,9 +275,11 @@ def aux_like(q, spec):
     return q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
-def block_x(block_g: int) -> int:
-    """Rows of the key pass's extra block (one query row per head of the group; 16 at least)."""
-    return max(block_g, 16)
+def key_pass_rows(block_m: int, two_tap: bool) -> int:
+    """Key rows a program of the backward's key pass owns: its tile's ``M``, or ``M - 1`` with two taps (the last
+    row's second tap reads a query row past the tile's gather: the next program, whose first row it is, writes
+    it; ``M / (M - 1)`` more programs in place of a second gather per rung)."""
+    return block_m - 1 if two_tap else block_m
 
 
 def _launch(q, hkv, wb, trace: bool = False):
@@ -286,7 +289,7 @@ def _launch(q, hkv, wb, trace: bool = False):
     env = os.environ
     key = tuple(env.get(k) for k in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG",
                                       "FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ",
-                                      "FIBATTN_TRITON_RB_TWO_TAP_DOCS", "TRITON_INTERPRET"))
+                                      "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "TRITON_INTERPRET"))
     if trace:                     # symbolic sizes: nothing to cache
         return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, True)
     return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
@@ -326,12 +329,12 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
     grid, dims, opts = _launch(q, hkv, wb, trace)
-    rb = forward_rungs(dims, two, off is not None)
+    bn = forward_band(dims, two, off is not None)
     flags = _row_flags(k, v, trace)
     _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
                                                  *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
                                                  *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
-                                                 **_args(kernels().fwd_kernel, {**dims, "RB": rb}), **opts)
+                                                 **_args(kernels().fwd_kernel, {**dims, "BLOCK_N": bn}), **opts)
     return out, lse
 
 
@@ -361,11 +364,13 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
                                                *_s3(dq), T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
                                                *split(scale), TWO_TAP=two, NEED_DFRAC=need, HAS_DOCS=docs, **dq_dims,
                                                **opts)
-    _launcher(kern.bwd_dkdv_kernel, trace)[grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
-                                                 off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                                                 T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E), *split(scale),
-                                                 TWO_TAP=two, HAS_DOCS=docs, BLOCK_X=block_x(dims["BLOCK_G"]),
-                                                 **_args(kern.bwd_dkdv_kernel, dims), **opts)
+    keys = key_pass_rows(dims["BLOCK_M"], two)
+    key_grid = (triton_cdiv(T, keys), grid[1])
+    _launcher(kern.bwd_dkdv_kernel, trace)[key_grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
+                                                     off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
+                                                     T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
+                                                     *split(scale), TWO_TAP=two, HAS_DOCS=docs, KEYS=keys,
+                                                     **_args(kern.bwd_dkdv_kernel, dims), **opts)
     da = None
     if need_dalpha:
         if need:

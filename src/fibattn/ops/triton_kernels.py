@@ -291,15 +291,18 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                     T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, BLOCK_X: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
+    A program owns the tile's first ``KEYS`` key rows (``triton_backend.key_pass_rows``): two-tap
+    ``M - 1``, as the last row's second tap would need a query row past the tile's gather; the
+    next program, whose first row it is, writes it.
     ``HAS_DOCS``: the same, with each query row's own document offset ``off[i]`` in place of ``i``
     (a query at offset ``lo`` clamps its second tap onto its first)."""
     b = (tl.program_id(1) // HKV).to(tl.int64)
     hk = tl.program_id(1) % HKV
-    j0 = tl.program_id(0) * BLOCK_M
+    j0 = tl.program_id(0) * KEYS
     qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
@@ -337,16 +340,14 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     # the rungs, from the stored P and dS: key row j0 + m reads query rows (g, j0 + m + lo) through
     # its first tap and (g, j0 + m + lo + 1) through its second — the gathered rows of tile
     # row m + 1 — so one gather serves both: A = wlo·diag(dS) + whi·superdiag(dS) (and key 0 also
-    # takes row lo's clamped second tap); only key row j0 + M - 1's second tap needs the extra
-    # query row j0 + M + lo (the small block X).
+    # takes row lo's clamped second tap); key row j0 + M - 1, whose second tap is past the gather,
+    # is left to the next program.
     rq = tl.arange(0, BLOCK_G * BLOCK_M)
     m = rq % BLOCK_M
     h = hk * GROUP + rq // BLOCK_M
     gm_ok = (rq // BLOCK_M) < GROUP
     row = tl.arange(0, BLOCK_M)
     diag = row[:, None] == m[None, :]
-    xg = tl.arange(0, BLOCK_X)
-    last = (row == BLOCK_M - 1)[:, None] & (xg < GROUP)[None, :]
     for r in range(0, tl.load(RN)):
         lo = tl.load(RLO + r)
         iq = j0 + m + lo
@@ -355,27 +356,21 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
         if TWO_TAP:
             wlo = tl.load(RWLO + r).to(ACC)
             whi = tl.load(RWHI + r).to(ACC)
-            ix = j0 + BLOCK_M + lo + 0 * xg
-            xlast = last
             if HAS_DOCS:        # a query at offset lo in its document: both taps on key j (diagonal), none on j - 1
                 oq = _doc_off(OFF, b, T, iq, HAS_DOCS)[None, :]
                 sup = (row[:, None] + 1 == m[None, :]) & (oq > lo)
                 w = tl.where(diag, wlo + whi * (oq == lo).to(ACC), 0.0) + tl.where(sup, whi, 0.0)
-                xlast = xlast & (_doc_off(OFF, b, T, ix, HAS_DOCS) > lo)[None, :]
             else:
                 sup = row[:, None] + 1 == m[None, :]
                 w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(sup, whi, 0.0)
             taps = diag | sup            # set, not multiplied: a NaN dS or P stays in the entries its row reads
             dk = _mac(dk, tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
             dv = _mac_p(dv, tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT)
-            qx, dox, dsx, px = _stored(Q, DO, PR, DSR, DELTA, b, hk * GROUP + xg, ix, xg < GROUP, r,
-                                       R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d)
-            dk = _mac(dk, tl.where(xlast, whi * dsx[None, :], 0.0), qx, IN, DOT)
-            dv = _mac_p(dv, tl.where(xlast, whi * px[None, :], 0.0), dox, IN, DOT)
         else:
             dk = _mac(dk, tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
             dv = _mac_p(dv, tl.where(diag, p[None, :], 0.0), dog, IN, DOT)
+    own = k_ok & (row < KEYS)
     tl.store(DK + b * sdkb + hk * sdkh + kr[:, None] * sdkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=k_ok[:, None] & in_d[None, :])
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=own[:, None] & in_d[None, :])
     tl.store(DV + b * sdvb + hk * sdvh + kr[:, None] * sdvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=k_ok[:, None] & in_d[None, :])
+             dv.to(DV.dtype.element_ty), mask=own[:, None] & in_d[None, :])

@@ -3,7 +3,7 @@
 them, and what each program of an interior tile does (loops, products, bytes)."""
 from __future__ import annotations
 
-from .triton_backend import block_x, config, forward_rungs, kernels, query_pass_rungs
+from .triton_backend import config, forward_band, kernels, key_pass_rows, query_pass_rungs
 
 _POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64",
              "DFRAC": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
@@ -26,9 +26,11 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
                 **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
-    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], forward_rungs(cfg, two_tap, docs), cfg["BLOCK_D"]
+    M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
+    bn_f = forward_band(cfg, two_tap, docs)
     GM = cfg["BLOCK_G"] * M
-    band = -(-(M + window) // BN)               # band steps of an interior tile
+    band = -(-(M + window) // BN)               # band steps of an interior tile (the forward's: band_f)
+    band_f = -(-(M + window) // bn_f)
     chunks = -(-n_rungs // RB)
     rb_dq = query_pass_rungs(cfg, two_tap)
     dq_chunks = -(-n_rungs // rb_dq)
@@ -37,7 +39,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     mm = 2.0 * D                                 # flops of one (row, column) product
     split_p = 2 if half else 1                   # probabilities in as hi + lo
     # forward: band q.k and p.v; rung blocks q.k (two-tap: split keys) and p.v (two-tap: 3 products)
-    fwd = band * GM * BN * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
+    fwd = band_f * GM * bn_f * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
         (2 if two_tap and half else 1) + (3 if two_tap and half else split_p))
     dq = (band * GM * BN * mm * 3 + dq_chunks * GM * rb_dq * M * mm * (3 + (2 if two_tap and half else 0)
                                                                        + (4 if two_tap else 0)))
@@ -46,13 +48,15 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
             + n_rungs * taps * M * GM * mm * (1 + split_p))
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
     rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
-    plans = [(kern.fwd_kernel, "forward", {"RB": RB}, [band, chunks], fwd, 2 * q_rows + 2 * kv_rows + stats),
+    keys = key_pass_rows(M, two_tap)             # key rows a program of the key pass owns (writes)
+    plans = [(kern.fwd_kernel, "forward", {"BLOCK_N": bn_f}, [band_f, chunks], fwd,
+              2 * q_rows + 2 * kv_rows + stats, M),
              (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap, "RB": rb_dq}, [band, dq_chunks], dq,
-              4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2),
-             (kern.bwd_dkdv_kernel, "backward", {"BLOCK_X": block_x(cfg["BLOCK_G"])}, [band_q, n_rungs], dkdv,
-              2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats)]
+              4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2, M),
+             (kern.bwd_dkdv_kernel, "backward", {"KEYS": keys}, [band_q, n_rungs], dkdv,
+              2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats, keys)]
     res = []
-    for fn, kind, extra, trips, flops, nbytes in plans:
+    for fn, kind, extra, trips, flops, nbytes, rows in plans:
         consts = {k: v for k, v in dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg)
                   .items() if k in fn.arg_names}
         consts.update(extra, **({} if docs else {"OFF": None}))          # no documents: launched with off=None
@@ -66,7 +70,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
         tags = ", ".join(t for t, on in (("two-tap", two_tap), ("documents", docs)) if on)
         name = fn.__name__ + (f" ({tags})" if tags else "")
         res.append(dict(name=name, fn=fn, signature=sig, attrs=aligned,
-                        constexprs=consts, loop_trips=trips, query_heads=GM, rows_per_program=M,
+                        constexprs=consts, loop_trips=trips, query_heads=cfg["BLOCK_G"] * rows, rows_per_program=rows,
                         columns=window + 1 + n_rungs, tensor_flops_per_program=flops, bytes_per_program=nbytes,
                         **{"pass": kind}, **opts))
     return res
