@@ -184,6 +184,10 @@ def test_block_size_override_is_checked(monkeypatch):
     monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3")
     with pytest.raises(ValueError, match="FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"):
         triton_backend.config(4, 64, 12)
+    monkeypatch.delenv("FIBATTN_TRITON_RB_TWO_TAP_DQ")
+    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8")
+    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16"):
+        triton_backend.config(4, 64, 12)
 
 
 @pytest.mark.parametrize("group, head_dim, block_q, rb_dq, bn_docs", [

@@ -121,9 +121,12 @@ def config(group: int, head_dim: int, window: int) -> dict:
         while rb > 1 and blocks * bg * bm * rb * bm > 32 * 32 * warps:
             rb //= 2
         return rb
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2,
+    bn_docs = _env_int("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16)
+    if bn_docs < 16:
+        raise UsageError(f"FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16 (a tensor-core product's least "
+                         f"size), got {bn_docs}")
+    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
                 RB_TWO_TAP_DQ=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rungs(4)),
-                BLOCK_N_TWO_TAP_DOCS=_env_int("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16),
                 num_warps=warps, num_stages=2, **register_cap())
 
 
