@@ -169,24 +169,15 @@ def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     assert name == "torch" and "triton is not importable" in why
 
 
-def test_block_size_override_is_checked(monkeypatch):
-    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "24")
-    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_M must be a power of two, got 24"):
-        triton_backend.config(1, 64, 12)
-    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_M", "8")
-    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_M must be at least 16"):
-        triton_backend.config(1, 64, 12)
-    monkeypatch.delenv("FIBATTN_TRITON_BLOCK_M")
-    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_Q", "8")
-    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_Q must be at least 16"):
-        triton_backend.config(4, 64, 12)
-    monkeypatch.delenv("FIBATTN_TRITON_BLOCK_Q")
-    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3")
-    with pytest.raises(ValueError, match="FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"):
-        triton_backend.config(4, 64, 12)
-    monkeypatch.delenv("FIBATTN_TRITON_RB_TWO_TAP_DQ")
-    monkeypatch.setenv("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8")
-    with pytest.raises(ValueError, match="FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16"):
+@pytest.mark.parametrize("key, value, message", [
+    ("FIBATTN_TRITON_BLOCK_M", "24", "FIBATTN_TRITON_BLOCK_M must be a power of two, got 24"),
+    ("FIBATTN_TRITON_BLOCK_M", "8", "FIBATTN_TRITON_BLOCK_M must be at least 16"),
+    ("FIBATTN_TRITON_BLOCK_Q", "8", "FIBATTN_TRITON_BLOCK_Q must be at least 16"),
+    ("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3", "FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"),
+    ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16")])
+def test_block_size_override_is_checked(key, value, message, monkeypatch):
+    monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
         triton_backend.config(4, 64, 12)
 
 

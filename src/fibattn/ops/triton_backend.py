@@ -88,6 +88,14 @@ def _env_int(key: str, default: int) -> int:
     return value
 
 
+def _env_tile(key: str, default: int) -> int:
+    """A tile side from the environment (:func:`_env_int`): at least 16, a tensor-core product's least size."""
+    value = _env_int(key, default)
+    if value < 16:
+        raise UsageError(f"{key} must be at least 16 (a tensor-core product's least size), got {value}")
+    return value
+
+
 def config(group: int, head_dim: int, window: int) -> dict:
     """Tile sizes and warps of a launch (one choice per group size, head size and window, never per T).
 
@@ -101,15 +109,11 @@ def config(group: int, head_dim: int, window: int) -> dict:
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
-    bm = _env_int("FIBATTN_TRITON_BLOCK_M", 16)
-    if bm < 16:
-        raise UsageError(f"FIBATTN_TRITON_BLOCK_M must be at least 16 (a tensor-core product's least size), got {bm}")
+    bm = _env_tile("FIBATTN_TRITON_BLOCK_M", 16)
     bn = min(64, max(16, _pow2(bm + window)))
     # the key pass's band step takes G heads x BLOCK_Q query rows: at most a warpgroup's 64 (4 heads x 32 rows
     # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
-    bq = _env_int("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
-    if bq < 16:
-        raise UsageError(f"FIBATTN_TRITON_BLOCK_Q must be at least 16 (a tensor-core product's least size), got {bq}")
+    bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
     # a rung step holds float32 score blocks of G·M × RB·M: the backward's query pass two per tap (q·kᵀ, dout·vᵀ),
     # the forward one per tap and, with documents and two taps, a third's worth (the columns' document offsets
@@ -121,10 +125,7 @@ def config(group: int, head_dim: int, window: int) -> dict:
         while rb > 1 and blocks * bg * bm * rb * bm > 32 * 32 * warps:
             rb //= 2
         return rb
-    bn_docs = _env_int("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16)
-    if bn_docs < 16:
-        raise UsageError(f"FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16 (a tensor-core product's least "
-                         f"size), got {bn_docs}")
+    bn_docs = _env_tile("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16)
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
                 RB_TWO_TAP_DQ=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rungs(4)),
                 num_warps=warps, num_stages=2, **register_cap())
