@@ -229,7 +229,7 @@ MUTATIONS = [
              "p * whi[None, :], v2, IN, DOT)", "p * wlo[None, :], v2, IN, DOT)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
     Mutation("triton-dfrac-value-term", "kernel offsets", TK,
-             "ds * (s2 - s1) * sm_scale + p * (dp2 - dp1)", "ds * (s2 - s1) * sm_scale",
+             "ds * sd * sm_scale + p * dpd", "ds * sd * sm_scale",
              ("tests/test_ops_triton.py", "-k", "interpolated or finite")),
     # ---------------------------------------------------------------- precision
     Mutation("no-fp32-upcast", "upcasting", OPS + "columns.py",
@@ -349,6 +349,8 @@ MUTATIONS = [
     Mutation("triton-product-drops-its-accumulator", "kernel tiles", OPS + "triton_tiles.py",
              'return tl.dot(a, b, acc, input_precision="ieee")', 'return tl.dot(a, b, input_precision="ieee")',
              (TRITON, "-k", "integer_fp32")),
+    Mutation("triton-per-rung-value-of-the-wrong-rung", "kernel offsets", OPS + "triton_tiles.py",
+             "tl.where(n // BLOCK_M == j,", "tl.where(n // BLOCK_M == j - 1,", (TRITON, "-k", "integer_fp32")),
     Mutation("triton-documents-forward-band-step-ignored", "kernel tiles", OPS + "triton_backend.py",
              'return dims["BLOCK_N_TWO_TAP_DOCS"] if two_tap and docs else dims["BLOCK_N"]', 'return dims["BLOCK_N"]',
              (TRITON, "-k", "tiles_keep")),

@@ -190,7 +190,8 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
         if tl.max(cbad.to(tl.int32), axis=0) > 0:
             bad = tl.maximum(bad, tl.max(tl.where(ok & cbad[None, :], 1, 0), axis=1))
         if TWO_TAP:
-            s = wlo[None, :] * _dot_t(q, k1, IN, DOT).to(ACC) + whi[None, :] * _dot_t(q, k2, IN, DOT).to(ACC)
+            s1 = _dot_t(q, k1, IN, DOT).to(ACC)
+            s = s1 + whi[None, :] * (_dot_t(q, k2, IN, DOT).to(ACC) - s1)      # as the query pass recomputes it
         else:
             s = _dot_t(q, k1, IN, DOT).to(ACC)
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, tl.where(ok, s * qk_scale, float("-inf")))
@@ -260,26 +261,26 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
         ok = (m[:, None] == mm[None, :]) & kok[None, :] & row_ok[:, None]
         s1 = _dot_t(q, k1, IN, DOT).to(ACC)
         dp1 = _dot_t(do, v1, IN, DOT).to(ACC)
+        rr = r0 + tl.arange(0, RB)
+        slot = stat[:, None] * R + rr[None, :]
+        sok = row_ok[:, None] & (rr < nr)[None, :]
         if TWO_TAP:
-            s2 = _dot_t(q, k2, IN, DOT).to(ACC)
-            dp2 = _dot_t(do, v2, IN, DOT).to(ACC)
-            p = tl.where(ok, tl.exp2((wlo[None, :] * s1 + whi[None, :] * s2) * qk_scale - lse[:, None]), 0.0)
-            ds = tl.where(ok, p * (wlo[None, :] * dp1 + whi[None, :] * dp2 - delta[:, None]), 0.0)
+            # the taps' differences, not the taps: d frac needs only them, and two blocks fewer stay live
+            sd = _dot_t(q, k2, IN, DOT).to(ACC) - s1
+            p = tl.where(ok, tl.exp2((s1 + whi[None, :] * sd) * qk_scale - lse[:, None]), 0.0)
+            dpd = _dot_t(do, v2, IN, DOT).to(ACC) - dp1
+            ds = tl.where(ok, p * (dp1 + whi[None, :] * dpd - delta[:, None]), 0.0)
+            if NEED_DFRAC:      # d s / d frac = scale q.(k2 - k1), d out / d frac = p (v2 - v1); summed on the host
+                part = tl.where(ok, ds * sd * sm_scale + p * dpd, 0.0)   # 0 off the block diagonal
+                tl.store(DFRAC + slot, tl.sum(tl.reshape(part, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
             dq = _mac(_mac(dq, ds * wlo[None, :], k1, IN, DOT), ds * whi[None, :], k2, IN, DOT)
         else:
             p = tl.where(ok, tl.exp2(s1 * qk_scale - lse[:, None]), 0.0)
             ds = tl.where(ok, p * (dp1 - delta[:, None]), 0.0)
             dq = _mac(dq, ds, k1, IN, DOT)
         # one value per (row, rung): the block-diagonal mask leaves one entry per rung in a row
-        rr = r0 + tl.arange(0, RB)
-        slot = stat[:, None] * R + rr[None, :]
-        sok = row_ok[:, None] & (rr < nr)[None, :]
         tl.store(PR + slot, tl.sum(tl.reshape(p, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
         tl.store(DSR + slot, tl.sum(tl.reshape(ds, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
-        if TWO_TAP:
-            if NEED_DFRAC:      # d s / d frac = scale q.(k2 - k1), d out / d frac = p (v2 - v1); summed on the host
-                part = tl.where(ok, ds * (s2 - s1) * sm_scale + p * (dp2 - dp1), 0.0)   # 0 off the block diagonal
-                tl.store(DFRAC + slot, tl.sum(tl.reshape(part, [BLOCK_G * BLOCK_M, RB, BLOCK_M]), axis=2), mask=sok)
     tl.store(DQ + b * sdqb + (h * sdqh + i * sdqt)[:, None] + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None] & in_d[None, :])
 

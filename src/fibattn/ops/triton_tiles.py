@@ -92,6 +92,17 @@ def _softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
+def _per_rung(X, r0, nr, other, DT: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``X[r0 + n // M]`` per column ``n`` of a rung block (``other`` past the ``nr`` rungs in use), from ``RB``
+    scalar loads: a per-column gather of the same ``RB`` values cost ~8 instructions a value and thread."""
+    n = tl.arange(0, RB * BLOCK_M)
+    x = tl.zeros([RB * BLOCK_M], DT) + tl.load(X + r0, mask=r0 < nr, other=other).to(DT)
+    for j in tl.static_range(1, RB):
+        x = tl.where(n // BLOCK_M == j, tl.load(X + r0 + j, mask=r0 + j < nr, other=other).to(DT), x)
+    return x
+
+
+@triton.jit
 def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, oc,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr,
                BLOCK_M: tl.constexpr, FWD: tl.constexpr):
@@ -104,9 +115,8 @@ def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, off
     ``HAS_DOCS``: ``oc`` is each column's row's offset in its document; a key before the
     document start does not exist, and the second tap is clamped at that start."""
     n = tl.arange(0, RB * BLOCK_M)
-    rung = r0 + n // BLOCK_M
     mm = n % BLOCK_M
-    lo = tl.load(RLO + rung, mask=rung < nr, other=_NEVER)
+    lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RB, BLOCK_M)
     kr = i0 + mm - lo
     ok = (kr >= 0) & (kr < T)
     if HAS_DOCS:
@@ -118,8 +128,8 @@ def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, off
         else:
             kr2 = tl.maximum(kr - 1, 0)
         k2, v2, bad2 = _tap(kb, vb, FLAGS, bhk, T, kr2, skt, svt, offs_d, ok, in_d, FWD)
-        wlo = tl.load(RWLO + rung, mask=rung < nr, other=1.0).to(ACC)
-        whi = tl.load(RWHI + rung, mask=rung < nr, other=0.0).to(ACC)
+        wlo = _per_rung(RWLO, r0, nr, 1.0, ACC, RB, BLOCK_M)
+        whi = _per_rung(RWHI, r0, nr, 0.0, ACC, RB, BLOCK_M)
         return k1, v1, k2, v2, wlo, whi, mm, ok, bad | bad2
     else:
         return k1, v1, k1, v1, 1.0, 0.0, mm, ok, bad
