@@ -170,8 +170,8 @@ def test_gpu_tests_that_were_skipped_are_not_counted_as_passed(tmp_path, monkeyp
 
 def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     """The sweep's seven runs (seven processes; not run here): each command is one fibattn's own parser takes,
-    each setting one ``triton_backend.config`` takes (the tiles before issue 56's third round among them), and
-    each record carries its settings."""
+    each setting one ``triton_backend.config`` takes (the two-tap query pass's other candidate and one pipeline
+    stage among them), and each record carries its settings."""
     from fibattn.cli import build_parser
     from fibattn.ops import triton_backend
     calls = []
@@ -193,7 +193,13 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
         cfg = triton_backend.config(4, 64, 12)
         assert (cfg["BLOCK_M"], cfg["num_warps"]) == (int(env["FIBATTN_TRITON_BLOCK_M"]),
                                                       int(env["FIBATTN_TRITON_WARPS"]))
+        assert set(env) <= set(triton_backend.SETTINGS)
         for key in env:
             monkeypatch.delenv(key)
-    old = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_BLOCK_Q") == "32"]
-    assert len(old) == 1 and old[0]["FIBATTN_TRITON_RB_TWO_TAP_DQ"] == "2"
+    one_rung = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_RB_TWO_TAP_DQ") == "1"]
+    one_stage = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_STAGES") == "1"]
+    assert len(one_rung) == len(one_stage) == 1
+    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "1")
+    monkeypatch.setenv("FIBATTN_TRITON_STAGES", "1")
+    cfg = triton_backend.config(4, 64, 12)
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["num_stages"]) == ((1,), 1)

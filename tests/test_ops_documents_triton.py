@@ -55,8 +55,7 @@ def check(q, k, v, dout, spec, alpha, splits, **tol):
 # rows of T = 37: documents of 1 and 2, odd lengths, one document, documents that start on a
 # 16-row tile's first row (16, 32) and one past it; 29 and 33 are longer than the largest integer distance
 SPLITS = [[1, 2, 5, 29], [16, 1, 15, 5], [37], [2, 1, 1, 33]]
-# a group of two; the second program of a row; a group of four (the two-tap forward and query pass take one rung a
-# step there: triton_backend.config)
+# a group of two; the second program of a row; a group of four
 SHAPES = {"g2": dict(H=2, Hkv=1), "g2-hkv2": dict(H=4, Hkv=2), "g4": dict(H=4, Hkv=1)}
 
 
@@ -73,11 +72,16 @@ def test_integer_packed_equals_separate(device, dists, shape, rows):
     pytest.param(0, 1.37, "g2", SPLITS[:2], id="W0"),
     pytest.param(3, 1.37, "g2-hkv2", SPLITS[2:], id="W3", marks=pytest.mark.slow),    # the interpreter: ~10 s
     pytest.param(2, 2.0, "g2", SPLITS[1:3], id="W2-integer-alpha"),
-    pytest.param(1, 1.37, "g4", [SPLITS[0]], id="W1-g4"),
+    pytest.param(1, 1.37, "g4", [SPLITS[0]], id="W1-g4-small-steps"),
 ])
-def test_interpolated_packed_equals_separate(device, window, alpha, shape, rows):
+def test_interpolated_packed_equals_separate(device, window, alpha, shape, rows, monkeypatch):
     """Two-tap rungs (lo 1, 2, 4, 6, 10, 17, 28 at 1.37): a query at offset ``lo`` in its document
-    reads its first tap twice; d alpha of the packed call is the sum of the documents'."""
+    reads its first tap twice; d alpha of the packed call is the sum of the documents'. The group of four takes
+    the tile choices' other candidates (``triton_backend.config``): one rung a step in the query pass, a band step
+    of 16 keys in the forward."""
+    if shape == "g4":
+        monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "1")
+        monkeypatch.setenv("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "16")
     q, k, v, dout = make(B=len(rows), T=37, Dh=16, seed=2, device=device, **SHAPES[shape])
     check(q, k, v, dout, ColumnSpec(None, window, FIB), torch.tensor(alpha, device=device), rows,
           rtol=1e-4, atol=1e-4)

@@ -174,30 +174,73 @@ def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     ("FIBATTN_TRITON_BLOCK_M", "8", "FIBATTN_TRITON_BLOCK_M must be at least 16"),
     ("FIBATTN_TRITON_BLOCK_Q", "8", "FIBATTN_TRITON_BLOCK_Q must be at least 16"),
     ("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3", "FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"),
-    ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16")])
+    ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16"),
+    ("FIBATTN_TRITON_STAGES", "0", "FIBATTN_TRITON_STAGES must be 1, 2, 3 or 4 .*got '0'")])
 def test_block_size_override_is_checked(key, value, message, monkeypatch):
     monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=message):
         triton_backend.config(4, 64, 12)
 
 
-@pytest.mark.parametrize("group, head_dim, block_q, rb_dq, bn_docs", [
-    (1, 64, 32, 2, 32), (2, 64, 32, 2, 32), (4, 64, 16, 1, 16), (8, 64, 16, 1, 16), (4, 128, 16, 1, 16)])
-def test_tiles_keep_each_kernels_registers_down(group, head_dim, block_q, rb_dq, bn_docs, monkeypatch):
+@pytest.mark.parametrize("group, head_dim, block_q", [(1, 64, 32), (2, 64, 32), (4, 64, 16), (8, 64, 16),
+                                                     (4, 128, 16)])
+def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, monkeypatch):
     """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions);
-    where a two-tap step's score blocks pass 32 registers a thread, the query pass takes fewer rungs a step and the
-    forward with documents a band step of 16 keys; each setting can be forced (the GPU check's sweep times the
-    tiles before this choice)."""
+    the two-tap query pass's rungs a step and the two-tap forward's band step with documents are candidates, the
+    larger step first, and without a chooser (the interpreter) the first is taken; a setting in the environment
+    is the only candidate (the GPU check's sweep times the others)."""
     cfg = triton_backend.config(group, head_dim, 12)
     assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (rb_dq, bn_docs)
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (32, 16))
     fwd, dq = triton_backend.forward_band, triton_backend.query_pass_rungs
-    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (bn_docs, 32, 32)
-    assert (dq(cfg, True), dq(cfg, False)) == (rb_dq, 2)
+    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (32, 32, 32)
+    assert (dq(cfg, True), dq(cfg, False)) == (2, 2)
+    assert triton_backend.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
     for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
-        monkeypatch.setenv(key, "2" if key.endswith("DQ") else "32")
+        monkeypatch.setenv(key, "1" if key.endswith("DQ") else "16")
     cfg = triton_backend.config(group, head_dim, 12)
-    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (32, 2, 32)
+    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (16, (1,), (16,))
+    assert (fwd(cfg, True, True), dq(cfg, True)) == (16, 1)
+
+
+def test_every_setting_the_backend_reads_keys_its_launch_plans():
+    """A ``FIBATTN_TRITON_*`` read anywhere in the backend is in ``SETTINGS``, which the cached launch plans are
+    keyed on: a changed setting takes effect at the next call, never a stale plan."""
+    import inspect
+    import re
+    read = set(re.findall(r'"(FIBATTN_TRITON_[A-Z_]+)"', inspect.getsource(triton_backend)))
+    assert read == set(triton_backend.SETTINGS)
+
+
+def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
+    """``triton_backend._chosen``: the chooser (``triton_occupancy.choose`` on CUDA) gets the kernel, the key, the
+    candidates and the constexprs a launch passes (documents or ``OFF=None``), and a plan remembers its answer."""
+    calls = []
+
+    def choose(kernel, key, candidates, consts):
+        calls.append((kernel.__name__, key, candidates, consts))
+        return candidates[-1]
+    cfg = triton_backend.config(4, 64, 12)
+    cfg.pop("num_warps"), cfg.pop("num_stages")
+    dims = dict(ACC="acc", IN="in", DOT="dot", **cfg, choose=choose)
+    fwd, dq = triton_backend.forward_band, triton_backend.query_pass_rungs
+    assert [fwd(dims, True, True), fwd(dims, True, True), dq(dims, True, False, True), dq(dims, True)] == [16, 16, 1, 1]
+    assert [(n, k, c) for n, k, c, _ in calls] == [("fwd_kernel", "BLOCK_N", (32, 16)), ("bwd_dq_kernel", "RB", (2, 1))]
+    fwd_consts, dq_consts = calls[0][3], calls[1][3]
+    assert fwd_consts["TWO_TAP"] and fwd_consts["HAS_DOCS"] and "OFF" not in fwd_consts
+    assert dq_consts["NEED_DFRAC"] and not dq_consts["HAS_DOCS"] and dq_consts["OFF"] is None
+    kern = triton_backend.kernels()
+    for (name, *_), consts in zip(calls, (fwd_consts, dq_consts)):
+        assert set(consts) <= set(getattr(kern, name).arg_names) and consts["ACC"] == "acc"
+    assert (fwd(dims, False, True), dq(dims, False)) == (32, 2) and len(calls) == 2      # nothing to choose
+
+
+def test_launch_plan_chooses_only_where_code_is_compiled_for_a_device():
+    """No chooser for the interpreter's CPU tensors, nor for CUDA tensors traced on a machine without a device."""
+    q = torch.zeros(1, 4, 8, 64)
+    assert "choose" not in triton_backend._launch(q, 1, 12)[1]
+    if not torch.cuda.is_available():
+        assert triton_backend._target(torch.device("cuda")) is None
 
 
 @pytest.mark.gpu
@@ -217,3 +260,21 @@ def test_no_recompile_when_only_length_changes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_picks_triton_on_cuda():
     assert fibattn.ops.resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tile_choices_are_made_on_the_device(caplog):
+    """On CUDA the two-tap query pass's rungs a step come from the compiled registers (``triton_occupancy``),
+    logged once, and the op still matches the reference."""
+    import logging
+
+    from fibattn.ops import triton_occupancy
+    triton_occupancy._choose.cache_clear()
+    triton_backend._launch_plan.cache_clear()
+    q, k, v, dout = make(B=1, H=8, Hkv=2, T=300, Dh=64, dtype=torch.float32, device="cuda")
+    a = torch.tensor(1.5, device="cuda")
+    with caplog.at_level(logging.INFO, logger="fibattn"):
+        close(run(interp(12, "fib:15", "triton"), q, k, v, dout, a),
+              run(interp(12, "fib:15", "reference"), q, k, v, dout, a), **FP32)
+    assert "bwd_dq_kernel RB=" in caplog.text and "not chosen by registers" not in caplog.text

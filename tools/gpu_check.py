@@ -23,8 +23,8 @@ remaining steps are skipped and say so):
    cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
    attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K): the share of the
    matmul peak, interpolated ÷ integer, grouped heads;
-7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` (and the tiles before issue 56's third
-   round) at T=16384;
+7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` (and the two-tap query pass's other
+   candidate, one pipeline stage) at T=16384;
 8. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
    next to the measured forward + backward times, as measured ÷ estimated per length.
 
@@ -204,22 +204,24 @@ def training(r: Runner, summary: dict) -> None:
             result["fib_linear"]["tok_s_median"] / result["dense"]["tok_s_median"])
 
 
-# (BLOCK_M, warps, maxnreg, other settings), the default first. The second row is the tiles before issue 56's third
-# round (the key pass's band 32 positions a step, the two-tap query pass 2 rungs): the static model's pick checked
-# on the card. 168 registers: 3 programs per SM.
-SWEEP = ((16, 4, 0, {}), (16, 4, 0, {"FIBATTN_TRITON_BLOCK_Q": "32", "FIBATTN_TRITON_RB_TWO_TAP_DQ": "2"}),
-         (16, 4, 168, {}), (16, 8, 0, {}), (32, 4, 0, {}), (32, 8, 0, {}), (64, 8, 0, {}))
+# (BLOCK_M, warps, maxnreg, other settings), the default first. Then the choices the model cannot settle, checked on
+# the card: the two-tap query pass at one rung a step (the other candidate of triton_occupancy's choice, which takes
+# two at the goal setting), and one software-pipeline stage (7-16 % fewer instructions, the loads' latency bare).
+# 168 registers: 3 programs per SM.
+SWEEP = ((16, 4, 0, {}), (16, 4, 0, {"FIBATTN_TRITON_RB_TWO_TAP_DQ": "1"}), (16, 4, 0, {"FIBATTN_TRITON_STAGES": "1"}),
+         (16, 4, 168, {}), (16, 8, 0, {}), (32, 4, 0, {}), (32, 8, 0, {}))
 
 
 def sweep(r: Runner, summary: dict) -> None:
-    """Block rows x warps (and the tiles before issue 56's third round) at T=16384: the data for choosing
+    """Block rows x warps (and the settings in :data:`SWEEP`'s comment) at T=16384: the data for choosing
     ``triton_backend.config`` on this GPU."""
     T = "256" if r.quick else "16384"
     results = []
     for bm, warps, regs, extra in SWEEP:
         env = {"FIBATTN_TRITON_BLOCK_M": str(bm), "FIBATTN_TRITON_WARPS": str(warps),
                "FIBATTN_TRITON_MAXNREG": str(regs), **extra}       # 168: 3 programs per SM
-        name = f"sweep_m{bm}_w{warps}_r{regs}" + ("_old_tiles" if extra else "")
+        name = f"sweep_m{bm}_w{warps}_r{regs}" + "".join(f"_{k.removeprefix('FIBATTN_TRITON_').lower()}{v}"
+                                                           for k, v in extra.items())
         out = r.run(name, _fibattn("bench", "attention", "--device", r.device, "--json", "--paths",
                                    "integer,interpolated", "--no-memory", "--lengths", T, "--forward-lengths", ""),
                     60, env)

@@ -18,9 +18,8 @@ On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPR
 set before fibattn first uses this backend): slow, but exact enough to test against the
 reference without a GPU.
 
-Tile sizes: see :func:`config`. The environment variables ``FIBATTN_TRITON_BLOCK_M``,
-``FIBATTN_TRITON_WARPS``, ``FIBATTN_TRITON_BLOCK_Q``, ``FIBATTN_TRITON_RB_TWO_TAP_DQ`` and
-``FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS`` override them (the GPU check script sweeps them).
+Tile sizes: see :func:`config`. The environment variables of :data:`SETTINGS` override them (the GPU
+check script sweeps them).
 """
 from __future__ import annotations
 
@@ -88,6 +87,16 @@ def _env_int(key: str, default: int) -> int:
     return value
 
 
+def _env_stages(key: str, default: int) -> int:
+    """Software-pipeline stages from the environment: 1 to 4."""
+    raw = os.environ.get(key)
+    if raw is None:
+        return default
+    if raw.strip() not in ("1", "2", "3", "4"):
+        raise UsageError(f"{key} must be 1, 2, 3 or 4 (software-pipeline stages of a kernel's loops), got {raw!r}")
+    return int(raw)
+
+
 def _env_tile(key: str, default: int) -> int:
     """A tile side from the environment (:func:`_env_int`): at least 16, a tensor-core product's least size."""
     value = _env_int(key, default)
@@ -103,9 +112,10 @@ def config(group: int, head_dim: int, window: int) -> dict:
     block-diagonal mask), and 16 is the least a tensor-core product takes; the ``G`` query
     heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
     warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
-    rungs per rung step make a ``G·M × RB·M`` score block (``RB_TWO_TAP_DQ`` in the two-tap
-    backward's query pass); the two-tap forward with documents takes ``BLOCK_N_TWO_TAP_DOCS``
-    keys per band step, the key pass's band ``BLOCK_Q`` query positions per step.
+    rungs per rung step make a ``G·M × RB·M`` score block; the key pass's band takes ``BLOCK_Q``
+    query positions per step. ``RB_TWO_TAP_DQ`` (the two-tap backward's query pass) and
+    ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's band step with documents) are candidates, in
+    order of preference, that a launch on CUDA chooses from by the compiled code (:func:`_chosen`).
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
@@ -115,31 +125,56 @@ def config(group: int, head_dim: int, window: int) -> dict:
     # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
     bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
-    # a rung step holds float32 score blocks of G·M × RB·M: the backward's query pass two per tap (q·kᵀ, dout·vᵀ),
-    # the forward one per tap and, with documents and two taps, a third's worth (the columns' document offsets
-    # and clamped second-tap rows). Where they would pass 32 registers a thread the query pass takes fewer rungs a
-    # step (4 heads: 188 registers at RB 2, 2 programs per SM; 140 at RB 1, 3) and the forward a band step of 16
-    # keys (180 registers at 32, 147 at 16; one rung a step instead: 156, at 18 % more instructions)
-    def rungs(blocks: int) -> int:
-        rb = 2
-        while rb > 1 and blocks * bg * bm * rb * bm > 32 * 32 * warps:
-            rb //= 2
-        return rb
-    bn_docs = _env_tile("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", bn if rungs(3) > 1 else 16)
+    # two choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
+    # two-tap query pass's rungs a step (two: 20 % fewer instructions than one, and twice the float32 score
+    # blocks) and the two-tap forward's band step with documents (32 keys, or 16). Candidates in order of
+    # preference; a setting in the environment is the only candidate
+    rb_dq = _env_candidates("FIBATTN_TRITON_RB_TWO_TAP_DQ", (2, 1), _env_int)
+    bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
+    # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
+    # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=_env_int("FIBATTN_TRITON_RB_TWO_TAP_DQ", rungs(4)),
-                num_warps=warps, num_stages=2, **register_cap())
+                RB_TWO_TAP_DQ=rb_dq, num_warps=warps, num_stages=_env_stages("FIBATTN_TRITON_STAGES", 2),
+                **register_cap())
+
+
+def _env_candidates(key: str, default: tuple, parse) -> tuple:
+    """``default`` without repeats, or the one value set in the environment (checked by ``parse``)."""
+    if os.environ.get(key) is not None:
+        return (parse(key, default[0]),)
+    return tuple(dict.fromkeys(default))
 
 
 def forward_band(dims: dict, two_tap: bool, docs: bool) -> int:
-    """Keys per band step of the forward (:func:`config`'s ``BLOCK_N``; ``BLOCK_N_TWO_TAP_DOCS`` with two taps and
-    documents)."""
-    return dims["BLOCK_N_TWO_TAP_DOCS"] if two_tap and docs else dims["BLOCK_N"]
+    """Keys per band step of the forward (:func:`config`'s ``BLOCK_N``; with two taps and documents, the choice
+    of ``BLOCK_N_TWO_TAP_DOCS``: :func:`_chosen`)."""
+    if not (two_tap and docs):
+        return dims["BLOCK_N"]
+    return _chosen(dims, kernels().fwd_kernel, "BLOCK_N", dims["BLOCK_N_TWO_TAP_DOCS"], TWO_TAP=True, HAS_DOCS=True)
 
 
-def query_pass_rungs(dims: dict, two_tap: bool) -> int:
-    """Rungs per step of the backward's query pass (``RB``; ``RB_TWO_TAP_DQ`` with two taps)."""
-    return dims["RB_TWO_TAP_DQ"] if two_tap else dims["RB"]
+def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: bool = True) -> int:
+    """Rungs per step of the backward's query pass (``RB``; with two taps, the choice of ``RB_TWO_TAP_DQ``:
+    :func:`_chosen`)."""
+    if not two_tap:
+        return dims["RB"]
+    return _chosen(dims, kernels().bwd_dq_kernel, "RB", dims["RB_TWO_TAP_DQ"], TWO_TAP=True, HAS_DOCS=docs,
+                   NEED_DFRAC=need_dfrac)
+
+
+def _chosen(dims: dict, kernel, key: str, candidates: tuple, **flags) -> int:
+    """Of ``candidates`` for constexpr ``key`` of ``kernel``: the one ``dims["choose"]`` takes (a bound
+    ``triton_occupancy.choose``: the compiled registers decide), or the first where there is none (the
+    interpreter; a trace without a device). Remembered in ``dims``, so that a launch plan decides once."""
+    choose = dims.get("choose")
+    if choose is None or len(candidates) == 1:
+        return candidates[0]
+    memo = dims.setdefault("chosen", {})
+    name = (kernel.__name__, key, tuple(sorted(flags.items())))
+    if name not in memo:
+        consts = {**_args(kernel, dims), **flags, **({} if flags["HAS_DOCS"] else {"OFF": None})}
+        memo[name] = choose(kernel, key, candidates, consts)
+    return memo[name]
 
 
 def _args(kernel, dims: dict) -> dict:
@@ -286,21 +321,24 @@ def key_pass_rows(block_m: int, two_tap: bool) -> int:
     return block_m - 1 if two_tap else block_m
 
 
+# what overrides :func:`config` (each checked there; a launch plan is keyed on them)
+SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
+            "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES")
+
+
 def _launch(q, hkv, wb, trace: bool = False):
     """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows: worked out once per shape and
     setting when eager (the host's time per call is the op's cost below ~16K; the settings are read each
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
-    key = tuple(env.get(k) for k in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG",
-                                      "FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ",
-                                      "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "TRITON_INTERPRET"))
+    key = tuple(env.get(k) for k in SETTINGS + ("TRITON_INTERPRET",))
     if trace:                     # symbolic sizes: nothing to cache
-        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, True)
-    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key)
+        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, q.device, True)
+    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key, q.device)
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, trace: bool = False):
+def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, trace: bool = False):
     B, H, T, D = shape
     cfg = config(H // hkv, D, max(wb, 0))
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
@@ -310,7 +348,24 @@ def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, trace: bool = False
     # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
     dot = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
     dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), **cfg)
+    target = _target(device)
+    if target is not None:
+        from . import triton_occupancy
+        dims["choose"] = functools.partial(triton_occupancy.choose, dtype=_DTYPE_NAMES[dtype], head_dim=D,
+                                           options=dict(opts), target=target)
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
+
+
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _target(device):
+    """The ``GPUTarget`` whose compiled code decides the tile choices (:func:`_chosen`), or None: a CPU tensor
+    (the interpreter), or a CUDA one traced on a machine without a device."""
+    if device.type != "cuda" or interpreting() or not torch.cuda.is_available():
+        return None
+    from . import triton_occupancy
+    return triton_occupancy.device_target(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _row_flags(k, v, trace: bool) -> torch.Tensor:
@@ -362,7 +417,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     kern = kernels()
     docs = off is not None
     flags = _row_flags(k, v, trace)
-    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": query_pass_rungs(dims, two)})
+    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": query_pass_rungs(dims, two, docs, need)})
     _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
                                                rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout),
                                                *_s3(dq), T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),

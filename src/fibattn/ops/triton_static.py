@@ -3,11 +3,12 @@
 them, and what each program of an interior tile does (loops, products, bytes)."""
 from __future__ import annotations
 
+import functools
+
+from . import triton_occupancy
 from .triton_backend import config, forward_band, kernels, key_pass_rows, query_pass_rungs
 
-_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64",
-             "DFRAC": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "PR": "*fp32", "DSR": "*fp32"}
-_TENSOR_ARGS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
+SM90 = ("cuda", 90, 32)            # the GPUTarget the static tool compiles for (H100 / H200)
 
 
 def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap: bool,
@@ -20,19 +21,24 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     reads from and writes to memory once: q/k/v-shaped rows, statistics, the rungs' ``P``/``dS``; not
     the documents' int32 offsets, < 1 % of it). ``docs``: the kernels with documents (``off``)."""
     import triton.language as tl
+    from triton.backends.compiler import GPUTarget
     kern = kernels()
     cfg = config(group, head_dim, window)
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"),
                 **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
+    # the tile choices as a launch on an sm_90 device makes them (triton_backend._chosen)
+    dims = dict(ACC=tl.float32, IN=tdt, DOT=tdt, **cfg,
+                choose=functools.partial(triton_occupancy.choose, dtype=dtype, head_dim=head_dim, options=opts,
+                                         target=GPUTarget(*SM90)))
     M, BN, RB, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["RB"], cfg["BLOCK_D"]
-    bn_f = forward_band(cfg, two_tap, docs)
+    bn_f = forward_band(dims, two_tap, docs)
     GM = cfg["BLOCK_G"] * M
     band = -(-(M + window) // BN)               # band steps of an interior tile (the forward's: band_f)
     band_f = -(-(M + window) // bn_f)
     chunks = -(-n_rungs // RB)
-    rb_dq = query_pass_rungs(cfg, two_tap)
+    rb_dq = query_pass_rungs(dims, two_tap, docs)
     dq_chunks = -(-n_rungs // rb_dq)
     band_q = -(-(M + window) // cfg["BLOCK_Q"])   # the key pass's band steps
     half = dtype in ("bf16", "fp16")
@@ -57,16 +63,9 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
               2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats, keys)]
     res = []
     for fn, kind, extra, trips, flops, nbytes, rows in plans:
-        consts = {k: v for k, v in dict(TWO_TAP=two_tap, HAS_DOCS=docs, ACC=tl.float32, IN=tdt, DOT=tdt, **cfg)
-                  .items() if k in fn.arg_names}
+        consts = {k: v for k, v in dict(TWO_TAP=two_tap, HAS_DOCS=docs, **dims).items() if k in fn.arg_names}
         consts.update(extra, **({} if docs else {"OFF": None}))          # no documents: launched with off=None
-        sig = {a: "constexpr" if a in consts else _POINTERS.get(a, f"*{dtype}" if a in _TENSOR_ARGS else "i32")
-               for a in fn.arg_names}
-        sig.update({a: "fp32" for a in ("qk_scale", "sm_scale", "qk_lo", "sm_lo") if a in sig})
-        # what the JIT specializes at launch: 16-byte aligned pointers, integers divisible by 16
-        # (the strides and Dh of the goal setting; T is never specialized)
-        aligned = {(n,): [["tt.divisibility", 16]] for n, a in enumerate(fn.arg_names)
-                   if sig[a].startswith("*") or (sig[a] == "i32" and (a[0] == "s" or a == "DH") and head_dim % 16 == 0)}
+        sig, aligned = triton_occupancy.signature(fn, consts, dtype, head_dim)
         tags = ", ".join(t for t, on in (("two-tap", two_tap), ("documents", docs)) if on)
         name = fn.__name__ + (f" ({tags})" if tags else "")
         res.append(dict(name=name, fn=fn, signature=sig, attrs=aligned,

@@ -1,0 +1,81 @@
+"""Tile choices made by the compiled code (``fibattn.ops.triton_occupancy``, issue 56): the occupancy rule, the
+choice's fallbacks, and one real offline compile for sm_90 with Triton's own ptxas (no device needed)."""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fibattn.ops import triton_backend, triton_occupancy as occ
+
+
+@pytest.mark.parametrize("registers, warps, resident", [
+    (128, 4, 16), (168, 4, 12), (170, 4, 8), (255, 4, 8), (256, 8, 8), (128, 8, 16), (129, 8, 8), (16, 4, 64), (1, 1, 32)])
+def test_resident_warps(registers, warps, resident):
+    """Registers are allocated in units of 8; at most 32 programs and 64 warps an SM."""
+    assert occ.resident_warps(registers, warps) == resident
+
+
+@pytest.mark.parametrize("registers, warps, index", [
+    ([160, 115], 4, 0),     # both keep 12 warps (3 a scheduler): the larger step
+    ([188, 140], 4, 1),     # 8 against 12
+    ([184, 178], 4, 0),     # both 8: occupancy is lost either way, the larger step does less
+    ([157, 128], 8, 1),     # 8 against 16 (counted as 12)
+    ([90, 200, 60], 4, 0)])
+def test_pick_takes_the_first_that_keeps_the_most_warps(registers, warps, index):
+    assert occ.pick(registers, warps) == index
+
+
+def test_one_candidate_or_no_target_compiles_nothing(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("compiled")
+    monkeypatch.setattr(occ, "compile_kernel", boom)
+    fn = triton_backend.kernels().bwd_dq_kernel
+    assert occ.choose(fn, "RB", (1,), {}, "bf16", 64, {"num_warps": 4}, target=object()) == 1
+    assert occ.choose(fn, "RB", (2, 1), {}, "bf16", 64, {"num_warps": 4}, target=None) == 2
+
+
+def test_a_failed_compile_takes_the_first_and_says_so(monkeypatch, caplog):
+    def fail(*a, **k):
+        raise RuntimeError("no ptxas here")
+    monkeypatch.setattr(occ, "compile_kernel", fail)
+    fn = triton_backend.kernels().bwd_dq_kernel
+    with caplog.at_level(logging.WARNING, logger="fibattn"):
+        assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": True}, "bf16", 32, {"num_warps": 4}, target="t") == 2
+    assert "bwd_dq_kernel RB not chosen by registers (RuntimeError: no ptxas here); taking 2" in caplog.text
+
+
+_OFFLINE = """
+import json, logging
+from triton.backends.compiler import GPUTarget
+from fibattn.ops import triton_occupancy as occ, triton_static as t
+logging.basicConfig(level=logging.INFO)
+k = t.static_kernels(4, 64, 12, 10, True, docs=True)
+dq = k[1]
+opts = {"num_warps": dq["num_warps"], "num_stages": dq["num_stages"]}
+regs = [occ.cubin_resources(occ.compile_kernel(dq["fn"], {**dq["constexprs"], "RB": rb}, "bf16", 64, opts,
+                                               GPUTarget(*t.SM90)).asm["cubin"])[0] for rb in (2, 1)]
+print(json.dumps({"regs": regs, "warps": dq["num_warps"], "rb": dq["constexprs"]["RB"],
+                  "bn": k[0]["constexprs"]["BLOCK_N"]}))
+"""
+
+
+def test_the_static_kernels_make_their_choices_from_compiled_registers():
+    """The goal setting's two-tap query pass with documents: each candidate compiled for sm_90 as a launch would
+    (Triton's own ptxas, outside the interpreter), its registers read back, and the choice is :func:`pick`'s on
+    them — so a kernel change that moves registers moves the choice with it, and ``tools/gpu_static.py``
+    reports what a launch would take. Fails when the compile or the register read goes stale."""
+    pytest.importorskip("triton")
+    if not os.path.exists(occ.nvidia_tool("cuobjdump")):
+        pytest.skip("this Triton ships no cuobjdump")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _OFFLINE], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "not chosen by registers" not in res.stderr
+    assert "bwd_dq_kernel RB=" in res.stderr and "fwd_kernel BLOCK_N=" in res.stderr      # the choices, logged
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(40 <= r <= 255 for r in got["regs"]), got
+    assert got["rb"] == (2, 1)[occ.pick(got["regs"], got["warps"])]
+    assert got["bn"] in (32, 16)
