@@ -12,7 +12,8 @@ from fibattn.ops import triton_backend, triton_occupancy as occ
 
 
 @pytest.mark.parametrize("registers, warps, resident", [
-    (128, 4, 16), (168, 4, 12), (170, 4, 8), (255, 4, 8), (256, 8, 8), (128, 8, 16), (129, 8, 8), (16, 4, 64), (1, 1, 32)])
+    (128, 4, 16), (168, 4, 12), (170, 4, 8), (255, 4, 8), (256, 8, 8), (128, 8, 16), (129, 8, 8), (16, 4, 64),
+    (1, 1, 32)])
 def test_resident_warps(registers, warps, resident):
     """Registers are allocated in units of 8; at most 32 programs and 64 warps an SM."""
     assert occ.resident_warps(registers, warps) == resident
