@@ -203,3 +203,40 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     monkeypatch.setenv("FIBATTN_TRITON_STAGES", "1")
     cfg = triton_backend.config(4, 64, 12)
     assert (cfg["RB_TWO_TAP_DQ"], cfg["num_stages"]) == ((1,), 1)
+
+
+def test_the_ablation_step_leaves_one_stage_out_each(monkeypatch):
+    """Issue 56 item 3's step (four processes; not run here): the integer op at 64K as it is, with the band alone,
+    the rungs alone and P·V without the hi + lo split — each command one that fibattn's own bench takes (its
+    distance set checked: one rung inside the window, a window of 0), each setting one the backend reads, and
+    each variant's time given as a share of the default's."""
+    from fibattn.bench.attention_args import config_from_args
+    from fibattn.cli import build_parser
+    from fibattn.ops import triton_backend
+    from fibattn.schedules import attended_distances
+    calls = []
+
+    class Stub:
+        quick, device = False, "cuda"
+
+        def run(self, name, cmd, limit, env=None):
+            calls.append((name, cmd, env))
+            return '{"path": "integer", "ms": %d.0, "gb_s": 1.0}\n' % (len(calls) + 1)
+
+    summary = {}
+    _tool().ablation(Stub(), summary)
+    assert [n for n, _, _ in calls] == ["ablation_default", "ablation_band_only", "ablation_rungs_only",
+                                        "ablation_no_hi_lo_split"]
+    for (name, cmd, env), rec in zip(calls, summary["ablation"]["records"]):
+        args = build_parser().parse_args(cmd[3:])
+        args.device = "cpu"
+        cfg = config_from_args(args)
+        assert cfg.lengths == [65536] and cfg.paths == ["integer"] and cfg.alpha == 1.5
+        dists = attended_distances(cfg.window, cfg.alpha, f"fib:{cfg.fib_k}", 65536)
+        assert (rec["band"], rec["rungs"]) == (cfg.window + 1, len([d for d in dists if d > cfg.window]))
+        assert set(env) <= set(triton_backend.SETTINGS)
+    assert [(x["band"], x["rungs"]) for x in summary["ablation"]["records"]] == [(13, 10), (13, 0), (1, 15), (13, 10)]
+    monkeypatch.setenv("FIBATTN_TRITON_SPLIT_P", calls[3][2]["FIBATTN_TRITON_SPLIT_P"])
+    assert triton_backend.config(4, 64, 12)["SPLIT_P"] == 0
+    assert summary["ablation"]["share_of_default"] == {"default": 1.0, "band only": 1.5, "rungs only": 2.0,
+                                                       "no hi/lo split": 2.5}

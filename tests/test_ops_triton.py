@@ -175,7 +175,8 @@ def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     ("FIBATTN_TRITON_BLOCK_Q", "8", "FIBATTN_TRITON_BLOCK_Q must be at least 16"),
     ("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3", "FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"),
     ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16"),
-    ("FIBATTN_TRITON_STAGES", "0", "FIBATTN_TRITON_STAGES must be 1, 2, 3 or 4 .*got '0'")])
+    ("FIBATTN_TRITON_STAGES", "0", "FIBATTN_TRITON_STAGES must be one of 1, 2, 3, 4, got '0'"),
+    ("FIBATTN_TRITON_SPLIT_P", "yes", "FIBATTN_TRITON_SPLIT_P must be one of 0, 1, got 'yes'")])
 def test_block_size_override_is_checked(key, value, message, monkeypatch):
     monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=message):

@@ -26,7 +26,9 @@ remaining steps are skipped and say so):
 7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` (and the two-tap query pass's other
    candidate, one pipeline stage) at T=16384;
 8. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
-   next to the measured forward + backward times, as measured ÷ estimated per length.
+   next to the measured forward + backward times, as measured ÷ estimated per length;
+9. what limits the integer op's memory traffic at 64K (issue 56 item 3): its time with one stage left out —
+   the band alone, the rungs alone, P·V without the probabilities' hi + lo split — beside the default.
 
 Writes every step's log and ``summary.json`` (goals with their measured ratios) to
 ``--out`` (default ``$OUT`` or ``gpu_check_out``). Needs only the repository and a
@@ -232,6 +234,34 @@ def sweep(r: Runner, summary: dict) -> None:
     summary["sweep"] = results
 
 
+# (label, window, Fibonacci rungs K, settings): the integer op with one stage left out. One Fibonacci number's
+# distance (round(1.5) = 2) lies inside the window: the band alone; a window of 0 leaves distance 0 and rungs only
+# (15 of them: the distances 2..12 become rungs too; each record carries its band and rung counts)
+ABLATION = (("default", 12, 15, {}), ("band only", 12, 1, {}), ("rungs only", 0, 15, {}),
+            ("no hi/lo split", 12, 15, {"FIBATTN_TRITON_SPLIT_P": "0"}))
+
+
+def ablation(r: Runner, summary: dict) -> None:
+    """Issue 56 item 3: the integer op at T=65536 with one stage left out (:data:`ABLATION`), each variant's time,
+    traffic and columns, and its time as a share of the default's."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from fibattn.schedules import attended_distances
+    T = 256 if r.quick else 65536
+    rows = []
+    for label, window, k, env in ABLATION:
+        name = "ablation_" + re.sub(r"\W+", "_", label).strip("_")
+        out = r.run(name, _fibattn("bench", "attention", "--device", r.device, "--json", "--paths", "integer",
+                                   "--no-memory", "--lengths", str(T), "--forward-lengths", "", "--window",
+                                   str(window), "--fib-k", str(k)), 90, env)
+        dists = attended_distances(window, 1.5, f"fib:{k}", T)
+        rows += [{"variant": label, "ms": x["ms"], "gb_s": x.get("gb_s"), "band": window + 1,
+                  "rungs": sum(1 for d in dists if d > window)} for x in _json_lines(out)
+                 if x.get("path") == "integer" and x.get("ms")]
+    base = next((x["ms"] for x in rows if x["variant"] == "default"), None)
+    summary["ablation"] = {"T": T, "records": rows,
+                           "share_of_default": {x["variant"]: x["ms"] / base for x in rows} if base else {}}
+
+
 def cpu_flags() -> dict:
     """The host CPU's model and the vector extensions the cpu kernels can use (the flags as the cpu
     backend reads them for its build; Linux, else no model and no flags)."""
@@ -397,13 +427,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes: a plumbing check (also on a CPU; goals not judged)")
     p.add_argument("--only", default=None, help="comma-separated steps (tests,attention,op,train_bench,training,"
-                                                "generate,cpu,sweep,static)")
+                                                "generate,cpu,sweep,static,ablation)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:            # --help (0) or a bad argument (2, its line printed)
         return exc.code if isinstance(exc.code, int) else 2
     steps = {"tests": tests, "attention": attention, "op": op, "train_bench": train_bench, "training": training,
-             "generate": generate, "cpu": cpu, "sweep": sweep, "static": static}
+             "generate": generate, "cpu": cpu, "sweep": sweep, "static": static, "ablation": ablation}
     why = refusal(args, steps)
     out = None
     if why is None:

@@ -98,6 +98,8 @@ ISSUE_EFFICIENCY = 0.46
 FULL_ISSUE_WARPS = TARGET_WARPS_PER_SM / SCHEDULERS     # per scheduler: fewer resident warps hide less latency
 TENSOR_FLOPS = 989e12          # dense bf16 tensor-core peak of an H100/H200 SXM
 MEMORY_BPS = 4.8e12
+COPY_BPS = 4.245e12            # a device-to-device copy on the H200 (issue 56's run): what "a copy" means in item 3
+TRAFFIC_GOAL = 0.40            # issue 56 item 3: the integer op's traffic at 64K, as a share of a copy (on the card)
 LAUNCH_S = 4e-6
 FA2_FWD_FLOPS, FA2_BWD_FLOPS = 386e12, 257e12
 
@@ -290,11 +292,42 @@ def op_summary(stats: list[KernelStats]) -> dict:
     }
 
 
+def stages(stats: list[KernelStats]) -> dict:
+    """An op's thread-instructions per (query, head, column) by stage: the band (each kernel's first loop), the
+    rungs (its second) and per program (straight-line code: loads, stores, setup); issue 56 item 3's compiled
+    side of "what limits it"."""
+    out = {"band": 0.0, "rungs": 0.0, "per program": 0.0}
+    for s in stats:
+        scale = s.num_warps * 32 / (s.query_heads * s.columns)
+        for name, body, trips in zip(("band", "rungs"), s.loop_bodies, s.loop_trips):
+            out[name] += body * trips * scale
+        out["per program"] += s.straight_line * scale
+    return out
+
+
+def traffic(integer: list[KernelStats], T: int = max(LENGTHS)) -> dict:
+    """Issue 56 item 3 by the model: the integer op's traffic at ``T`` (the bench's count: each kernel reads its
+    inputs and writes its outputs once) over its estimated time, as a share of a copy; and the thread-instructions
+    per (query, head, column) the op could spend to reach the goal, at today's issue efficiency."""
+    from fibattn.bench.attention_paths import BenchConfig, traffic_bytes
+    g = GOAL
+    cfg = BenchConfig(batch=g["batch"], heads=g["heads"], kv_heads=g["kv_heads"], head_dim=g["head_dim"],
+                      dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[g["dtype"]])
+    nbytes = traffic_bytes(cfg, T)
+    ms = estimate_ms(integer, T)
+    share = nbytes / (ms / 1e3) / COPY_BPS
+    return {"T": T, "bytes": nbytes, "estimate_ms": round(ms, 4), "share_of_copy": round(share, 3),
+            "goal": TRAFFIC_GOAL, "instructions_for_goal": round(per_query_head_column(integer) * share / TRAFFIC_GOAL)}
+
+
 def report(integer: list[KernelStats], interp: list[KernelStats]) -> dict:
     out = op_summary(integer)
     out["interpolated"] = op_summary(interp)
     out["ratio_interpolated_to_integer"] = round(per_query_head_column(interp) / per_query_head_column(integer), 3)
     out["fa2_over_ours"] = {str(T): round(fa2_ms(T) / estimate_ms(integer, T), 3) for T in LENGTHS}
+    out["stages"] = {"integer": {k: round(v, 1) for k, v in stages(integer).items()},
+                     "interpolated": {k: round(v, 1) for k, v in stages(interp).items()}}
+    out["traffic"] = traffic(integer)
     out["model"] = {"sms": SMS, "schedulers": SCHEDULERS, "clock_hz": CLOCK_HZ, "issue_efficiency": ISSUE_EFFICIENCY,
                     "tensor_flops": TENSOR_FLOPS, "memory_bytes_per_s": MEMORY_BPS, "launch_s": LAUNCH_S,
                     "fa2_fwd_flops": FA2_FWD_FLOPS, "fa2_bwd_flops": FA2_BWD_FLOPS, "setting": GOAL}
@@ -378,6 +411,15 @@ def print_report(integer: list[KernelStats], interp: list[KernelStats]) -> None:
     for T in LENGTHS:
         a, b, f = estimate_ms(integer, T), estimate_ms(interp, T), fa2_ms(T)
         print(f"  {T:>6}{a:>12.3f}{b:>11.3f}{f:>10.3f}{f / a:>9.2f}{f / b:>11.2f}")
+    print("\nthread-instructions per (query, head, column) by stage (issue 56 item 3):")
+    for title, op in (("integer op", integer), ("interpolated op", interp)):
+        st = stages(op)
+        total = sum(st.values())
+        print(f"  {title:<16}" + ", ".join(f"{k} {v:,.0f} ({v / total:.0%})" for k, v in st.items()))
+    t = traffic(integer)
+    print(f"integer op's traffic at T={t['T']} by the model: {t['bytes'] / 1e9:.2f} GB in {t['estimate_ms']:.2f} ms = "
+          f"{t['share_of_copy']:.0%} of a {COPY_BPS / 1e12:.2f} TB/s copy (issue 56's goal {t['goal']:.0%}: "
+          f"issue-bound, {t['instructions_for_goal']:,} thread-instructions per cell would reach it)")
 
 
 def print_documents(plain: list[list[KernelStats]], docs: list[list[KernelStats]]) -> None:

@@ -87,13 +87,13 @@ def _env_int(key: str, default: int) -> int:
     return value
 
 
-def _env_stages(key: str, default: int) -> int:
-    """Software-pipeline stages from the environment: 1 to 4."""
+def _env_choice(key: str, default: int, allowed: tuple) -> int:
+    """One of ``allowed`` from the environment."""
     raw = os.environ.get(key)
     if raw is None:
         return default
-    if raw.strip() not in ("1", "2", "3", "4"):
-        raise UsageError(f"{key} must be 1, 2, 3 or 4 (software-pipeline stages of a kernel's loops), got {raw!r}")
+    if raw.strip() not in [str(a) for a in allowed]:
+        raise UsageError(f"{key} must be one of {', '.join(map(str, allowed))}, got {raw!r}")
     return int(raw)
 
 
@@ -133,9 +133,11 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
     # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
     # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
+    # SPLIT_P 0 (FIBATTN_TRITON_SPLIT_P): probabilities into P·V as one half-precision part, not hi + lo — for
+    # timing what the split costs (issue 56 item 3), at half precision's accuracy
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=rb_dq, num_warps=warps, num_stages=_env_stages("FIBATTN_TRITON_STAGES", 2),
-                **register_cap())
+                RB_TWO_TAP_DQ=rb_dq, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
+                num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
 
 
 def _env_candidates(key: str, default: tuple, parse) -> tuple:
@@ -323,7 +325,8 @@ def key_pass_rows(block_m: int, two_tap: bool) -> int:
 
 # what overrides :func:`config` (each checked there; a launch plan is keyed on them)
 SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
-            "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES")
+            "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
+            "FIBATTN_TRITON_SPLIT_P")
 
 
 def _launch(q, hkv, wb, trace: bool = False):

@@ -150,7 +150,7 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                T, WB, HKV, H, GROUP, DH, qk_scale, qk_lo,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, RB: tl.constexpr):
+               BLOCK_N: tl.constexpr, RB: tl.constexpr, SPLIT_P: tl.constexpr):
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M)
     qk_scale = _scale(qk_scale, qk_lo, ACC)
     i = i0 + m
@@ -180,7 +180,7 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
             bad = tl.maximum(bad, tl.max(tl.where(ok & vbad[None, :], 1, 0), axis=1))
         s = tl.where(ok, _dot_t(q, k, IN, DOT).to(ACC) * qk_scale, float("-inf"))
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, s)
-        acc = _mac_p(acc, p, v, IN, DOT)
+        acc = _mac_p(acc, p, v, IN, DOT, SPLIT_P)
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                                 # the rungs, RB at a time
         k1, v1, k2, v2, wlo, whi, mm, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T,
@@ -196,9 +196,9 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
             s = _dot_t(q, k1, IN, DOT).to(ACC)
         m_i, l_i, acc, p = _softmax_step(m_i, l_i, acc, tl.where(ok, s * qk_scale, float("-inf")))
         if TWO_TAP:
-            acc = _mac_p(_mac_p(acc, p * wlo[None, :], v1, IN, DOT), p * whi[None, :], v2, IN, DOT)
+            acc = _mac_p(_mac_p(acc, p * wlo[None, :], v1, IN, DOT, SPLIT_P), p * whi[None, :], v2, IN, DOT, SPLIT_P)
         else:
-            acc = _mac_p(acc, p, v1, IN, DOT)
+            acc = _mac_p(acc, p, v1, IN, DOT, SPLIT_P)
     l_use = tl.where(l_i == 0.0, 1.0, l_i)
     out = tl.where(bad[:, None] > 0, float("nan"), acc / l_use[:, None])
     tl.store(OUT + b * sob + (h * soh + i * sot)[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -292,7 +292,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                     T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, SPLIT_P: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -335,7 +335,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
             ok = ok & (d <= _doc_off(OFF, b, T, i, HAS_DOCS)[None, :])
         pt = tl.where(ok, tl.exp2(_dot_t(k, qb, IN, DOT).to(ACC) * qk_scale - lse[None, :]), 0.0)
         dst = tl.where(ok, pt * (_dot_t(v, dob, IN, DOT).to(ACC) - delta[None, :]), 0.0)
-        dv = _mac_p(dv, pt, dob, IN, DOT)
+        dv = _mac_p(dv, pt, dob, IN, DOT, SPLIT_P)
         dk = _mac(dk, dst, qb, IN, DOT)
 
     # the rungs, from the stored P and dS: key row j0 + m reads query rows (g, j0 + m + lo) through
@@ -366,10 +366,10 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                 w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(sup, whi, 0.0)
             taps = diag | sup            # set, not multiplied: a NaN dS or P stays in the entries its row reads
             dk = _mac(dk, tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
-            dv = _mac_p(dv, tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT)
+            dv = _mac_p(dv, tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT, SPLIT_P)
         else:
             dk = _mac(dk, tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
-            dv = _mac_p(dv, tl.where(diag, p[None, :], 0.0), dog, IN, DOT)
+            dv = _mac_p(dv, tl.where(diag, p[None, :], 0.0), dog, IN, DOT, SPLIT_P)
     own = k_ok & (row < KEYS)
     tl.store(DK + b * sdkb + hk * sdkh + kr[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=own[:, None] & in_d[None, :])

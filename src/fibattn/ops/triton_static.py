@@ -43,13 +43,11 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     band_q = -(-(M + window) // cfg["BLOCK_Q"])   # the key pass's band steps
     half = dtype in ("bf16", "fp16")
     mm = 2.0 * D                                 # flops of one (row, column) product
-    split_p = 2 if half else 1                   # probabilities in as hi + lo
-    # forward: band q.k and p.v; rung blocks q.k (two-tap: split keys) and p.v (two-tap: 3 products)
-    fwd = band_f * GM * bn_f * mm * (1 + split_p) + chunks * GM * RB * M * mm * (
-        (2 if two_tap and half else 1) + (3 if two_tap and half else split_p))
-    dq = (band * GM * BN * mm * 3 + dq_chunks * GM * rb_dq * M * mm * (3 + (2 if two_tap and half else 0)
-                                                                       + (4 if two_tap else 0)))
+    split_p = 2 if half and cfg["SPLIT_P"] else 1          # probabilities in as hi + lo
+    # forward: band q.k and p.v; rung blocks q.k and p.v, each per tap
     taps = 2 if two_tap else 1
+    fwd = band_f * GM * bn_f * mm * (1 + split_p) + chunks * GM * RB * M * mm * taps * (1 + split_p)
+    dq = band * GM * BN * mm * 3 + dq_chunks * GM * rb_dq * M * mm * 3 * taps      # q.k, dout.v, dS.k per tap
     dkdv = (band_q * cfg["BLOCK_G"] * cfg["BLOCK_Q"] * M * mm * (4 + split_p)
             + n_rungs * taps * M * GM * mm * (1 + split_p))
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4

@@ -63,11 +63,12 @@ def _mac(acc, a, b, IN: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def _mac_p(acc, p, x, IN: tl.constexpr, DOT: tl.constexpr):
+def _mac_p(acc, p, x, IN: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """``acc + p · x`` for probabilities (or their weighted copies) ``p`` in float32. With
     half-precision inputs ``p`` goes in as two half-precision parts, ``hi + lo``, so that the
-    output keeps float32 probabilities' accuracy for one more tensor-core product."""
-    if IN == tl.float16 or IN == tl.bfloat16:
+    output keeps float32 probabilities' accuracy for one more tensor-core product (``SPLIT``;
+    off only to time what the split costs: ``FIBATTN_TRITON_SPLIT_P=0``)."""
+    if SPLIT and (IN == tl.float16 or IN == tl.bfloat16):
         hi = p.to(IN)
         return _mac(_mac(acc, hi, x, IN, DOT), p - hi.to(p.dtype), x, IN, DOT)
     else:
