@@ -170,8 +170,8 @@ def test_gpu_tests_that_were_skipped_are_not_counted_as_passed(tmp_path, monkeyp
 
 def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     """The sweep's seven runs (seven processes; not run here): each command is one fibattn's own parser takes,
-    each setting one ``triton_backend.config`` takes (the two-tap query pass's other candidate and one pipeline
-    stage among them), and each record carries its settings."""
+    each setting one ``triton_backend.config`` takes (the rung choices' other candidates and one pipeline stage
+    among them), and each record carries its settings."""
     from fibattn.cli import build_parser
     from fibattn.ops import triton_backend
     calls = []
@@ -199,10 +199,11 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     one_rung = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_RB_TWO_TAP_DQ") == "1"]
     one_stage = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_STAGES") == "1"]
     assert len(one_rung) == len(one_stage) == 1
-    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "1")
-    monkeypatch.setenv("FIBATTN_TRITON_STAGES", "1")
+    for key, value in {**one_rung[0], **one_stage[0]}.items():
+        if key.startswith("FIBATTN_TRITON_") and key not in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS"):
+            monkeypatch.setenv(key, value)
     cfg = triton_backend.config(4, 64, 12)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["num_stages"]) == ((1,), 1)
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == ((1,), (1,), 1)
 
 
 def test_the_ablation_step_leaves_one_stage_out_each(monkeypatch):

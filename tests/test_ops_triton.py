@@ -159,6 +159,21 @@ def test_small_tiles(device, monkeypatch):
     close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
 
 
+@pytest.mark.parametrize("rb", ["1", "2"])
+def test_either_candidate_of_each_choice(device, monkeypatch, rb):
+    """The tile choices' candidates (``triton_backend.config``; the interpreter takes the first unless told):
+    the query and key passes at one or two rungs a step, over odd and even rung counts and a group of four."""
+    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", rb)
+    monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", rb)
+    q, k, v, dout = make(B=1, H=4, Hkv=1, T=70, Dh=16, dtype=torch.float64, seed=21, device=device)
+    for base in ("fib:7", "fib:8"):          # 5 and 6 rungs, integer and two-tap
+        a = torch.tensor(1.37, dtype=torch.float64, device=device)
+        close(run(interp(3, base, "triton"), q, k, v, dout, a),
+              run(interp(3, base, "reference"), q, k, v, dout, a), **FP64)
+        dists = attended_distances(3, 1.5, base, 70)
+        close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+
+
 # ----------------------------------------------------------------------------- choice and configuration
 def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     cuda = torch.device("cuda")
@@ -192,16 +207,18 @@ def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, monke
     is the only candidate (the GPU check's sweep times the others)."""
     cfg = triton_backend.config(group, head_dim, 12)
     assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (32, 16))
-    fwd, dq = triton_backend.forward_band, triton_backend.query_pass_rungs
+    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (2, 1), (32, 16))
+    fwd, dq, dkdv = triton_backend.forward_band, triton_backend.query_pass_rungs, triton_backend.key_pass_rungs
     assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (32, 32, 32)
-    assert (dq(cfg, True), dq(cfg, False)) == (2, 2)
+    assert (dq(cfg, True), dq(cfg, False), dkdv(cfg, True), dkdv(cfg, False)) == (2, 2, 2, 2)
     assert triton_backend.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
-    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
-        monkeypatch.setenv(key, "1" if key.endswith("DQ") else "16")
+    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_RB_KEY_PASS",
+                "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
+        monkeypatch.setenv(key, "1" if "_RB_" in key else "16")
     cfg = triton_backend.config(group, head_dim, 12)
-    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (16, (1,), (16,))
-    assert (fwd(cfg, True, True), dq(cfg, True)) == (16, 1)
+    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (
+        16, (1,), (1,), (16,))
+    assert (fwd(cfg, True, True), dq(cfg, True), dkdv(cfg, False)) == (16, 1, 1)
 
 
 def test_every_setting_the_backend_reads_keys_its_launch_plans():
@@ -224,16 +241,20 @@ def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
     cfg = triton_backend.config(4, 64, 12)
     cfg.pop("num_warps"), cfg.pop("num_stages")
     dims = dict(ACC="acc", IN="in", DOT="dot", **cfg, choose=choose)
-    fwd, dq = triton_backend.forward_band, triton_backend.query_pass_rungs
-    assert [fwd(dims, True, True), fwd(dims, True, True), dq(dims, True, False, True), dq(dims, True)] == [16, 16, 1, 1]
-    assert [(n, k, c) for n, k, c, _ in calls] == [("fwd_kernel", "BLOCK_N", (32, 16)), ("bwd_dq_kernel", "RB", (2, 1))]
-    fwd_consts, dq_consts = calls[0][3], calls[1][3]
+    fwd, dq, dkdv = triton_backend.forward_band, triton_backend.query_pass_rungs, triton_backend.key_pass_rungs
+    assert [fwd(dims, True, True), fwd(dims, True, True), dq(dims, True, False, True), dq(dims, True),
+            dkdv(dims, False), dkdv(dims, True, True)] == [16, 16, 1, 1, 1, 1]
+    assert [(n, k, c) for n, k, c, _ in calls] == [("fwd_kernel", "BLOCK_N", (32, 16)), ("bwd_dq_kernel", "RB", (2, 1)),
+                                                   ("bwd_dkdv_kernel", "RBK", (2, 1)),
+                                                   ("bwd_dkdv_kernel", "RBK", (2, 1))]
+    fwd_consts, dq_consts, key_consts = calls[0][3], calls[1][3], calls[2][3]
     assert fwd_consts["TWO_TAP"] and fwd_consts["HAS_DOCS"] and "OFF" not in fwd_consts
     assert dq_consts["NEED_DFRAC"] and not dq_consts["HAS_DOCS"] and dq_consts["OFF"] is None
+    assert not key_consts["TWO_TAP"] and calls[3][3]["TWO_TAP"] and calls[3][3]["HAS_DOCS"]
     kern = triton_backend.kernels()
-    for (name, *_), consts in zip(calls, (fwd_consts, dq_consts)):
+    for name, _, _, consts in calls:
         assert set(consts) <= set(getattr(kern, name).arg_names) and consts["ACC"] == "acc"
-    assert (fwd(dims, False, True), dq(dims, False)) == (32, 2) and len(calls) == 2      # nothing to choose
+    assert (fwd(dims, False, True), dq(dims, False), dkdv(dims, False)) == (32, 2, 1) and len(calls) == 4
 
 
 def test_launch_plan_chooses_only_where_code_is_compiled_for_a_device():

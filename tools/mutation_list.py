@@ -79,7 +79,7 @@ MUTATIONS = [
              "        const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh",
              ("tests/test_ops.py", "-k", "cpu")),
     Mutation("triton-dkdv-one-head", "GQA reduction", TK,
-             "    gm_ok = (rq // BLOCK_M) < GROUP\n", "    gm_ok = (rq // BLOCK_M) < 1\n",
+             "    gm_ok = ((rq // BLOCK_M) % BLOCK_G) < GROUP\n", "    gm_ok = ((rq // BLOCK_M) % BLOCK_G) < 1\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),
     # ---------------------------------------------------------------- kernel offsets and bounds
     Mutation("c-dot-vector-offset", "kernel offsets", C,
@@ -214,7 +214,7 @@ MUTATIONS = [
              "    return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T - 1)\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),
     Mutation("triton-clamped-tap-dropped", "kernel bounds", TK,
-             "wlo + whi * (kr == 0).to(ACC)[:, None]", "wlo + 0.0 * (kr == 0).to(ACC)[:, None]",
+             "wlo + whi * (oq == lo[None, :]).to(ACC)", "wlo + 0.0 * (oq == lo[None, :]).to(ACC)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
     # (the kernel's own store mask, `own`, is not mutated: a program writing its last row too races with the next
     # program on a GPU, and the interpreter, running programs in order, always lets the right one win)
@@ -226,7 +226,7 @@ MUTATIONS = [
              "        ok = (d >= 0) & (d < WB) & ok_i[None, :] & k_ok[:, None]\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32 or tile")),
     Mutation("triton-second-tap-weight", "kernel offsets", TK,
-             "p * whi[None, :], v2, IN, DOT)", "p * wlo[None, :], v2, IN, DOT)",
+             "p * whi[None, :], v2, IN, DOT, SPLIT_P)", "p * wlo[None, :], v2, IN, DOT, SPLIT_P)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
     Mutation("triton-dfrac-value-term", "kernel offsets", TK,
              "ds * sd * sm_scale + p * dpd", "ds * sd * sm_scale",
@@ -349,6 +349,8 @@ MUTATIONS = [
     Mutation("triton-product-drops-its-accumulator", "kernel tiles", OPS + "triton_tiles.py",
              'return tl.dot(a, b, acc, input_precision="ieee")', 'return tl.dot(a, b, input_precision="ieee")',
              (TRITON, "-k", "integer_fp32")),
+    Mutation("triton-key-pass-rungs-grouped-by-tile-row", "kernel offsets", TK,
+             "tl.int32, RBK, BLOCK_G * BLOCK_M)", "tl.int32, RBK, BLOCK_M)", (TRITON, "-k", "either_candidate")),
     Mutation("triton-per-rung-value-of-the-wrong-rung", "kernel offsets", OPS + "triton_tiles.py",
              "tl.where(n // BLOCK_M == j,", "tl.where(n // BLOCK_M == j - 1,", (TRITON, "-k", "integer_fp32")),
     Mutation("triton-documents-forward-band-step-ignored", "kernel tiles", OPS + "triton_backend.py",

@@ -113,9 +113,10 @@ def config(group: int, head_dim: int, window: int) -> dict:
     heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
     warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
     rungs per rung step make a ``G·M × RB·M`` score block; the key pass's band takes ``BLOCK_Q``
-    query positions per step. ``RB_TWO_TAP_DQ`` (the two-tap backward's query pass) and
-    ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's band step with documents) are candidates, in
-    order of preference, that a launch on CUDA chooses from by the compiled code (:func:`_chosen`).
+    query positions per step. ``RB_TWO_TAP_DQ`` (the two-tap backward's query pass),
+    ``RB_KEY_PASS`` (the key pass's rungs a step) and ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's
+    band step with documents) are candidates, in order of preference, that a launch on CUDA chooses
+    from by the compiled code (:func:`_chosen`).
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
@@ -125,18 +126,20 @@ def config(group: int, head_dim: int, window: int) -> dict:
     # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
     bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
-    # two choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
-    # two-tap query pass's rungs a step (two: 20 % fewer instructions than one, and twice the float32 score
-    # blocks) and the two-tap forward's band step with documents (32 keys, or 16). Candidates in order of
-    # preference; a setting in the environment is the only candidate
+    # three choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
+    # two-tap query pass's rungs a step (two: ~20 % fewer instructions than one, and twice the float32 score
+    # blocks), the key pass's rungs a step (two: 8-16 % fewer, a block of 2·G·M gathered query rows) and the
+    # two-tap forward's band step with documents (32 keys, or 16). Candidates in order of preference; a setting
+    # in the environment is the only candidate
     rb_dq = _env_candidates("FIBATTN_TRITON_RB_TWO_TAP_DQ", (2, 1), _env_int)
+    rb_keys = _env_candidates("FIBATTN_TRITON_RB_KEY_PASS", (2, 1), _env_int)
     bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
     # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
     # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
     # SPLIT_P 0 (FIBATTN_TRITON_SPLIT_P): probabilities into P·V as one half-precision part, not hi + lo — for
     # timing what the split costs (issue 56 item 3), at half precision's accuracy
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=rb_dq, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
+                RB_TWO_TAP_DQ=rb_dq, RB_KEY_PASS=rb_keys, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
                 num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
 
 
@@ -162,6 +165,11 @@ def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: 
         return dims["RB"]
     return _chosen(dims, kernels().bwd_dq_kernel, "RB", dims["RB_TWO_TAP_DQ"], TWO_TAP=True, HAS_DOCS=docs,
                    NEED_DFRAC=need_dfrac)
+
+
+def key_pass_rungs(dims: dict, two_tap: bool, docs: bool = False) -> int:
+    """Rungs per step of the backward's key pass (``RBK``): the choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
+    return _chosen(dims, kernels().bwd_dkdv_kernel, "RBK", dims["RB_KEY_PASS"], TWO_TAP=two_tap, HAS_DOCS=docs)
 
 
 def _chosen(dims: dict, kernel, key: str, candidates: tuple, **flags) -> int:
@@ -326,7 +334,7 @@ def key_pass_rows(block_m: int, two_tap: bool) -> int:
 # what overrides :func:`config` (each checked there; a launch plan is keyed on them)
 SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
             "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
-            "FIBATTN_TRITON_SPLIT_P")
+            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS")
 
 
 def _launch(q, hkv, wb, trace: bool = False):
@@ -432,6 +440,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
                                                      off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
                                                      T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
                                                      *split(scale), TWO_TAP=two, HAS_DOCS=docs, KEYS=keys,
+                                                     RBK=key_pass_rungs(dims, two, docs),
                                                      **_args(kern.bwd_dkdv_kernel, dims), **opts)
     da = None
     if need_dalpha:

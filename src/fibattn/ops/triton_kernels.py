@@ -58,6 +58,7 @@ from .triton_tiles import (
     _flagged,
     _mac,
     _mac_p,
+    _per_rung,
     _rows,
     _rung_keys,
     _softmax_step,
@@ -292,7 +293,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
                     T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, SPLIT_P: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, SPLIT_P: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -343,27 +344,27 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     # row m + 1 — so one gather serves both: A = wlo·diag(dS) + whi·superdiag(dS) (and key 0 also
     # takes row lo's clamped second tap); key row j0 + M - 1, whose second tap is past the gather,
     # is left to the next program.
-    rq = tl.arange(0, BLOCK_G * BLOCK_M)
+    rq = tl.arange(0, RBK * BLOCK_G * BLOCK_M)          # RBK rungs a step, each G·M gathered query rows
     m = rq % BLOCK_M
-    h = hk * GROUP + rq // BLOCK_M
-    gm_ok = (rq // BLOCK_M) < GROUP
+    h = hk * GROUP + (rq // BLOCK_M) % BLOCK_G
+    gm_ok = ((rq // BLOCK_M) % BLOCK_G) < GROUP
     row = tl.arange(0, BLOCK_M)
     diag = row[:, None] == m[None, :]
-    for r in range(0, tl.load(RN)):
-        lo = tl.load(RLO + r)
-        iq = j0 + m + lo
-        qg, dog, ds, p = _stored(Q, DO, PR, DSR, DELTA, b, h, iq, gm_ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh,
+    nr = tl.load(RN)
+    for r0 in range(0, nr, RBK):
+        rung = r0 + rq // (BLOCK_G * BLOCK_M)
+        lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RBK, BLOCK_G * BLOCK_M)
+        iq = j0 + m + lo                                # past T for a slot past the rungs in use (lo NEVER)
+        qg, dog, ds, p = _stored(Q, DO, PR, DSR, DELTA, b, h, iq, gm_ok, rung, R, T, H, sqb, sqh, sqt, sdb, sdh,
                                  sdt, offs_d, in_d)
         if TWO_TAP:
-            wlo = tl.load(RWLO + r).to(ACC)
-            whi = tl.load(RWHI + r).to(ACC)
-            if HAS_DOCS:        # a query at offset lo in its document: both taps on key j (diagonal), none on j - 1
-                oq = _doc_off(OFF, b, T, iq, HAS_DOCS)[None, :]
-                sup = (row[:, None] + 1 == m[None, :]) & (oq > lo)
-                w = tl.where(diag, wlo + whi * (oq == lo).to(ACC), 0.0) + tl.where(sup, whi, 0.0)
-            else:
-                sup = row[:, None] + 1 == m[None, :]
-                w = tl.where(diag, wlo + whi * (kr == 0).to(ACC)[:, None], 0.0) + tl.where(sup, whi, 0.0)
+            wlo = _per_rung(RWLO, r0, nr, 1.0, ACC, RBK, BLOCK_G * BLOCK_M)[None, :]
+            whi = _per_rung(RWHI, r0, nr, 0.0, ACC, RBK, BLOCK_G * BLOCK_M)[None, :]
+            # a query at offset lo (in its document; without documents the query row lo itself, whose second tap is
+            # clamped onto key 0): both taps on key j (the diagonal), none on j - 1
+            oq = _doc_off(OFF, b, T, iq, HAS_DOCS)[None, :]
+            sup = (row[:, None] + 1 == m[None, :]) & (oq > lo[None, :])
+            w = tl.where(diag, wlo + whi * (oq == lo[None, :]).to(ACC), 0.0) + tl.where(sup, whi, 0.0)
             taps = diag | sup            # set, not multiplied: a NaN dS or P stays in the entries its row reads
             dk = _mac(dk, tl.where(taps, w * ds[None, :], 0.0), qg, IN, DOT)
             dv = _mac_p(dv, tl.where(taps, w * p[None, :], 0.0), dog, IN, DOT, SPLIT_P)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 
 from . import triton_occupancy
-from .triton_backend import config, forward_band, kernels, key_pass_rows, query_pass_rungs
+from .triton_backend import config, forward_band, kernels, key_pass_rows, key_pass_rungs, query_pass_rungs
 
 SM90 = ("cuda", 90, 32)            # the GPUTarget the static tool compiles for (H100 / H200)
 
@@ -53,11 +53,12 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     q_rows, kv_rows, stats = GM * head_dim * el, M * head_dim * el, GM * 4
     rung_stats = 2 * GM * n_rungs * 4            # P and dS of the rungs, float32 (and d frac: 3 with two taps)
     keys = key_pass_rows(M, two_tap)             # key rows a program of the key pass owns (writes)
+    rbk = key_pass_rungs(dims, two_tap, docs)
     plans = [(kern.fwd_kernel, "forward", {"BLOCK_N": bn_f}, [band_f, chunks], fwd,
               2 * q_rows + 2 * kv_rows + stats, M),
              (kern.bwd_dq_kernel, "backward", {"NEED_DFRAC": two_tap, "RB": rb_dq}, [band, dq_chunks], dq,
               4 * q_rows + 2 * kv_rows + 2 * stats + rung_stats * (3 if two_tap else 2) // 2, M),
-             (kern.bwd_dkdv_kernel, "backward", {"KEYS": keys}, [band_q, n_rungs], dkdv,
+             (kern.bwd_dkdv_kernel, "backward", {"KEYS": keys, "RBK": rbk}, [band_q, -(-n_rungs // rbk)], dkdv,
               2 * q_rows + 4 * kv_rows + 2 * stats + rung_stats, keys)]
     res = []
     for fn, kind, extra, trips, flops, nbytes, rows in plans:
