@@ -170,10 +170,10 @@ def test_gpu_tests_that_were_skipped_are_not_counted_as_passed(tmp_path, monkeyp
 
 def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     """The sweep's seven runs (seven processes; not run here): each command is one fibattn's own parser takes,
-    each setting one ``triton_backend.config`` takes (the rung choices' other candidates and one pipeline stage
+    each setting one ``triton_config.config`` takes (the rung choices' other candidates and one pipeline stage
     among them), and each record carries its settings."""
     from fibattn.cli import build_parser
-    from fibattn.ops import triton_backend
+    from fibattn.ops import triton_config
     calls = []
 
     class Stub:
@@ -190,10 +190,10 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
         assert build_parser().parse_args(cmd[3:]).lengths == "16384"          # after "python -m fibattn.cli"
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        cfg = triton_backend.config(4, 64, 12)
+        cfg = triton_config.config(4, 64, 12)
         assert (cfg["BLOCK_M"], cfg["num_warps"]) == (int(env["FIBATTN_TRITON_BLOCK_M"]),
                                                       int(env["FIBATTN_TRITON_WARPS"]))
-        assert set(env) <= set(triton_backend.SETTINGS)
+        assert set(env) <= set(triton_config.SETTINGS)
         for key in env:
             monkeypatch.delenv(key)
     one_rung = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_RB_TWO_TAP_DQ") == "1"]
@@ -202,7 +202,7 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
     for key, value in {**one_rung[0], **one_stage[0]}.items():
         if key.startswith("FIBATTN_TRITON_") and key not in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS"):
             monkeypatch.setenv(key, value)
-    cfg = triton_backend.config(4, 64, 12)
+    cfg = triton_config.config(4, 64, 12)
     assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == ((1,), (1,), 1)
 
 
@@ -213,7 +213,7 @@ def test_the_ablation_step_leaves_one_stage_out_each(monkeypatch):
     each variant's time given as a share of the default's."""
     from fibattn.bench.attention_args import config_from_args
     from fibattn.cli import build_parser
-    from fibattn.ops import triton_backend
+    from fibattn.ops import triton_config
     from fibattn.schedules import attended_distances
     calls = []
 
@@ -235,9 +235,9 @@ def test_the_ablation_step_leaves_one_stage_out_each(monkeypatch):
         assert cfg.lengths == [65536] and cfg.paths == ["integer"] and cfg.alpha == 1.5
         dists = attended_distances(cfg.window, cfg.alpha, f"fib:{cfg.fib_k}", 65536)
         assert (rec["band"], rec["rungs"]) == (cfg.window + 1, len([d for d in dists if d > cfg.window]))
-        assert set(env) <= set(triton_backend.SETTINGS)
+        assert set(env) <= set(triton_config.SETTINGS)
     assert [(x["band"], x["rungs"]) for x in summary["ablation"]["records"]] == [(13, 10), (13, 0), (1, 15), (13, 10)]
     monkeypatch.setenv("FIBATTN_TRITON_SPLIT_P", calls[3][2]["FIBATTN_TRITON_SPLIT_P"])
-    assert triton_backend.config(4, 64, 12)["SPLIT_P"] == 0
+    assert triton_config.config(4, 64, 12)["SPLIT_P"] == 0
     assert summary["ablation"]["share_of_default"] == {"default": 1.0, "band only": 1.5, "rungs only": 2.0,
                                                        "no hi/lo split": 2.5}

@@ -77,7 +77,7 @@ def test_integer_packed_equals_separate(device, dists, shape, rows):
 def test_interpolated_packed_equals_separate(device, window, alpha, shape, rows, monkeypatch):
     """Two-tap rungs (lo 1, 2, 4, 6, 10, 17, 28 at 1.37): a query at offset ``lo`` in its document
     reads its first tap twice; d alpha of the packed call is the sum of the documents'. The group of four takes
-    the tile choices' other candidates (``triton_backend.config``): one rung a step in the query and key passes,
+    the tile choices' other candidates (``triton_config.config``): one rung a step in the query and key passes,
     a band step of 16 keys in the forward."""
     if shape == "g4":
         monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", "1")

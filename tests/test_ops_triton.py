@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fibattn
-from fibattn.ops import backend_available, backends, triton_backend
+from fibattn.ops import backend_available, backends, triton_backend, triton_config
 from fibattn.schedules import attended_distances
 from op_helpers import FP32, FP64, alpha_grad_matches_fd, bf16_check, close, interp, make, run, sparse
 
@@ -67,6 +67,23 @@ def test_integer_half_within_reference_error(device, dtype):
     q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=3, device=device)
     bf16_check(sparse(attended_distances(6, 1.5, "fib:10", 97), "triton"),
                sparse(attended_distances(6, 1.5, "fib:10", 97), "reference"), q, k, v, dout, dtype=dtype)
+
+
+def test_probabilities_without_their_split_keep_half_precision(device, monkeypatch):
+    """``FIBATTN_TRITON_SPLIT_P=0`` (issue 56 item 3: to time what the split costs): ``P·V`` takes the
+    probabilities as one half-precision part — still within a few units in the last place, and not the same
+    numbers as with the split (the setting acts)."""
+    from op_helpers import ulps
+    q, k, v, dout = make(H=4, Hkv=2, T=97, Dh=32, dtype=torch.float64, seed=3, device=device)
+    dists = attended_distances(6, 1.5, "fib:10", 97)
+    lo = [x.to(torch.bfloat16) for x in (q, k, v, dout)]
+    truth = run(sparse(dists, "reference"), *(x.double() for x in lo))
+    split = run(sparse(dists, "triton"), *lo)
+    monkeypatch.setenv("FIBATTN_TRITON_SPLIT_P", "0")
+    whole = run(sparse(dists, "triton"), *lo)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), whole, truth):
+        assert ulps(a, b, torch.bfloat16) <= 16, name
+    assert not torch.equal(whole[0], split[0])
 
 
 # ----------------------------------------------------------------------------- interpolated op
@@ -161,7 +178,7 @@ def test_small_tiles(device, monkeypatch):
 
 @pytest.mark.parametrize("rb", ["1", "2"])
 def test_either_candidate_of_each_choice(device, monkeypatch, rb):
-    """The tile choices' candidates (``triton_backend.config``; the interpreter takes the first unless told):
+    """The tile choices' candidates (``triton_config.config``; the interpreter takes the first unless told):
     the query and key passes at one or two rungs a step, over odd and even rung counts and a group of four."""
     monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", rb)
     monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", rb)
@@ -195,7 +212,7 @@ def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
 def test_block_size_override_is_checked(key, value, message, monkeypatch):
     monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=message):
-        triton_backend.config(4, 64, 12)
+        triton_config.config(4, 64, 12)
 
 
 @pytest.mark.parametrize("group, head_dim, block_q", [(1, 64, 32), (2, 64, 32), (4, 64, 16), (8, 64, 16),
@@ -205,17 +222,17 @@ def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, monke
     the two-tap query pass's rungs a step and the two-tap forward's band step with documents are candidates, the
     larger step first, and without a chooser (the interpreter) the first is taken; a setting in the environment
     is the only candidate (the GPU check's sweep times the others)."""
-    cfg = triton_backend.config(group, head_dim, 12)
+    cfg = triton_config.config(group, head_dim, 12)
     assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
     assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (2, 1), (32, 16))
-    fwd, dq, dkdv = triton_backend.forward_band, triton_backend.query_pass_rungs, triton_backend.key_pass_rungs
+    fwd, dq, dkdv = triton_config.forward_band, triton_config.query_pass_rungs, triton_config.key_pass_rungs
     assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (32, 32, 32)
     assert (dq(cfg, True), dq(cfg, False), dkdv(cfg, True), dkdv(cfg, False)) == (2, 2, 2, 2)
-    assert triton_backend.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
+    assert triton_config.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
     for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_RB_KEY_PASS",
                 "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
         monkeypatch.setenv(key, "1" if "_RB_" in key else "16")
-    cfg = triton_backend.config(group, head_dim, 12)
+    cfg = triton_config.config(group, head_dim, 12)
     assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (
         16, (1,), (1,), (16,))
     assert (fwd(cfg, True, True), dq(cfg, True), dkdv(cfg, False)) == (16, 1, 1)
@@ -226,22 +243,23 @@ def test_every_setting_the_backend_reads_keys_its_launch_plans():
     keyed on: a changed setting takes effect at the next call, never a stale plan."""
     import inspect
     import re
-    read = set(re.findall(r'"(FIBATTN_TRITON_[A-Z_]+)"', inspect.getsource(triton_backend)))
-    assert read == set(triton_backend.SETTINGS)
+    read = set(re.findall(r'"(FIBATTN_TRITON_[A-Z_]+)"', inspect.getsource(triton_config)
+                          + inspect.getsource(triton_backend)))
+    assert read == set(triton_config.SETTINGS)
 
 
 def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
-    """``triton_backend._chosen``: the chooser (``triton_occupancy.choose`` on CUDA) gets the kernel, the key, the
+    """``triton_config._chosen``: the chooser (``triton_occupancy.choose`` on CUDA) gets the kernel, the key, the
     candidates and the constexprs a launch passes (documents or ``OFF=None``), and a plan remembers its answer."""
     calls = []
 
     def choose(kernel, key, candidates, consts):
         calls.append((kernel.__name__, key, candidates, consts))
         return candidates[-1]
-    cfg = triton_backend.config(4, 64, 12)
+    cfg = triton_config.config(4, 64, 12)
     cfg.pop("num_warps"), cfg.pop("num_stages")
     dims = dict(ACC="acc", IN="in", DOT="dot", **cfg, choose=choose)
-    fwd, dq, dkdv = triton_backend.forward_band, triton_backend.query_pass_rungs, triton_backend.key_pass_rungs
+    fwd, dq, dkdv = triton_config.forward_band, triton_config.query_pass_rungs, triton_config.key_pass_rungs
     assert [fwd(dims, True, True), fwd(dims, True, True), dq(dims, True, False, True), dq(dims, True),
             dkdv(dims, False), dkdv(dims, True, True)] == [16, 16, 1, 1, 1, 1]
     assert [(n, k, c) for n, k, c, _ in calls] == [("fwd_kernel", "BLOCK_N", (32, 16)), ("bwd_dq_kernel", "RB", (2, 1)),

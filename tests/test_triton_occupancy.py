@@ -27,6 +27,14 @@ def test_resident_warps(registers, warps, resident):
     ([90, 200, 60], 4, 0)])
 def test_pick_takes_the_first_that_keeps_the_most_warps(registers, warps, index):
     assert occ.pick(registers, warps) == index
+    assert occ.pick(registers, warps, [0] * len(registers)) == index
+
+
+def test_pick_takes_a_candidate_that_does_not_spill():
+    """Under a register cap both fit: the one that spills loses, unless all do."""
+    assert occ.pick([168, 160], 4, [96, 0]) == 1
+    assert occ.pick([168, 168], 4, [96, 16]) == 0
+    assert occ.pick([168, 120], 4, [0, 0]) == 0
 
 
 def test_one_candidate_or_no_target_compiles_nothing(monkeypatch):

@@ -216,7 +216,7 @@ SWEEP = ((16, 4, 0, {}), (16, 4, 0, {"FIBATTN_TRITON_RB_TWO_TAP_DQ": "1", "FIBAT
 
 def sweep(r: Runner, summary: dict) -> None:
     """Block rows x warps (and the settings in :data:`SWEEP`'s comment) at T=16384: the data for choosing
-    ``triton_backend.config`` on this GPU."""
+    ``triton_config.config`` on this GPU."""
     T = "256" if r.quick else "16384"
     results = []
     for bm, warps, regs, extra in SWEEP:

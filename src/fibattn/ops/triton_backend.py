@@ -18,8 +18,8 @@ On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPR
 set before fibattn first uses this backend): slow, but exact enough to test against the
 reference without a GPU.
 
-Tile sizes: see :func:`config`. The environment variables of :data:`SETTINGS` override them (the GPU
-check script sweeps them).
+Tile sizes: ``triton_config`` (:func:`config`; the environment variables of ``SETTINGS`` override them, and the
+GPU check script sweeps them).
 """
 from __future__ import annotations
 
@@ -31,14 +31,12 @@ import torch
 
 from ..checks import UsageError
 from .columns import ColumnSpec, dalpha
+from .triton_config import (SETTINGS, _args, _pow2, config, forward_band, interpreting, kernels, key_pass_rows,
+                            key_pass_rungs, query_pass_rungs)
 
 name = "triton"
 LOG2E = 1.4426950408889634        # log2(e): the kernels use exp2
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,162 +60,6 @@ def unavailable(device) -> str | None:
     if kind == "cpu":
         return "the triton backend runs on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)"
     return f"the triton backend runs on CUDA tensors, got device {device}"
-
-
-@functools.lru_cache(maxsize=1)
-def kernels():
-    from . import triton_kernels
-    return triton_kernels
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _env_int(key: str, default: int) -> int:
-    raw = os.environ.get(key)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(f"{key} must be a power of two, got {raw!r}") from None
-    if value < 1 or value & (value - 1):
-        raise UsageError(f"{key} must be a power of two, got {value}")
-    return value
-
-
-def _env_choice(key: str, default: int, allowed: tuple) -> int:
-    """One of ``allowed`` from the environment."""
-    raw = os.environ.get(key)
-    if raw is None:
-        return default
-    if raw.strip() not in [str(a) for a in allowed]:
-        raise UsageError(f"{key} must be one of {', '.join(map(str, allowed))}, got {raw!r}")
-    return int(raw)
-
-
-def _env_tile(key: str, default: int) -> int:
-    """A tile side from the environment (:func:`_env_int`): at least 16, a tensor-core product's least size."""
-    value = _env_int(key, default)
-    if value < 16:
-        raise UsageError(f"{key} must be at least 16 (a tensor-core product's least size), got {value}")
-    return value
-
-
-def config(group: int, head_dim: int, window: int) -> dict:
-    """Tile sizes and warps of a launch (one choice per group size, head size and window, never per T).
-
-    ``BLOCK_M = 16`` rows per program: the rung blocks spend ``M``x the useful products (the
-    block-diagonal mask), and 16 is the least a tensor-core product takes; the ``G`` query
-    heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
-    warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
-    rungs per rung step make a ``G·M × RB·M`` score block; the key pass's band takes ``BLOCK_Q``
-    query positions per step. ``RB_TWO_TAP_DQ`` (the two-tap backward's query pass),
-    ``RB_KEY_PASS`` (the key pass's rungs a step) and ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's
-    band step with documents) are candidates, in order of preference, that a launch on CUDA chooses
-    from by the compiled code (:func:`_chosen`).
-    The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
-    """
-    bg, bd = _pow2(group), max(_pow2(head_dim), 16)
-    bm = _env_tile("FIBATTN_TRITON_BLOCK_M", 16)
-    bn = min(64, max(16, _pow2(bm + window)))
-    # the key pass's band step takes G heads x BLOCK_Q query rows: at most a warpgroup's 64 (4 heads x 32 rows
-    # held 186 registers, 2 programs per SM; x 16 rows 144, 3)
-    bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
-    warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
-    # three choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
-    # two-tap query pass's rungs a step (two: ~20 % fewer instructions than one, and twice the float32 score
-    # blocks), the key pass's rungs a step (two: 8-16 % fewer, a block of 2·G·M gathered query rows) and the
-    # two-tap forward's band step with documents (32 keys, or 16). Candidates in order of preference; a setting
-    # in the environment is the only candidate
-    rb_dq = _env_candidates("FIBATTN_TRITON_RB_TWO_TAP_DQ", (2, 1), _env_int)
-    rb_keys = _env_candidates("FIBATTN_TRITON_RB_KEY_PASS", (2, 1), _env_int)
-    bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
-    # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
-    # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
-    # SPLIT_P 0 (FIBATTN_TRITON_SPLIT_P): probabilities into P·V as one half-precision part, not hi + lo — for
-    # timing what the split costs (issue 56 item 3), at half precision's accuracy
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=rb_dq, RB_KEY_PASS=rb_keys, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
-                num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
-
-
-def _env_candidates(key: str, default: tuple, parse) -> tuple:
-    """``default`` without repeats, or the one value set in the environment (checked by ``parse``)."""
-    if os.environ.get(key) is not None:
-        return (parse(key, default[0]),)
-    return tuple(dict.fromkeys(default))
-
-
-def forward_band(dims: dict, two_tap: bool, docs: bool) -> int:
-    """Keys per band step of the forward (:func:`config`'s ``BLOCK_N``; with two taps and documents, the choice
-    of ``BLOCK_N_TWO_TAP_DOCS``: :func:`_chosen`)."""
-    if not (two_tap and docs):
-        return dims["BLOCK_N"]
-    return _chosen(dims, kernels().fwd_kernel, "BLOCK_N", dims["BLOCK_N_TWO_TAP_DOCS"], TWO_TAP=True, HAS_DOCS=True)
-
-
-def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: bool = True) -> int:
-    """Rungs per step of the backward's query pass (``RB``; with two taps, the choice of ``RB_TWO_TAP_DQ``:
-    :func:`_chosen`)."""
-    if not two_tap:
-        return dims["RB"]
-    return _chosen(dims, kernels().bwd_dq_kernel, "RB", dims["RB_TWO_TAP_DQ"], TWO_TAP=True, HAS_DOCS=docs,
-                   NEED_DFRAC=need_dfrac)
-
-
-def key_pass_rungs(dims: dict, two_tap: bool, docs: bool = False) -> int:
-    """Rungs per step of the backward's key pass (``RBK``): the choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
-    return _chosen(dims, kernels().bwd_dkdv_kernel, "RBK", dims["RB_KEY_PASS"], TWO_TAP=two_tap, HAS_DOCS=docs)
-
-
-def _chosen(dims: dict, kernel, key: str, candidates: tuple, **flags) -> int:
-    """Of ``candidates`` for constexpr ``key`` of ``kernel``: the one ``dims["choose"]`` takes (a bound
-    ``triton_occupancy.choose``: the compiled registers decide), or the first where there is none (the
-    interpreter; a trace without a device). Remembered in ``dims``, so that a launch plan decides once."""
-    choose = dims.get("choose")
-    if choose is None or len(candidates) == 1:
-        return candidates[0]
-    memo = dims.setdefault("chosen", {})
-    name = (kernel.__name__, key, tuple(sorted(flags.items())))
-    if name not in memo:
-        consts = {**_args(kernel, dims), **flags, **({} if flags["HAS_DOCS"] else {"OFF": None})}
-        memo[name] = choose(kernel, key, candidates, consts)
-    return memo[name]
-
-
-def _args(kernel, dims: dict) -> dict:
-    """The constexprs of ``dims`` that ``kernel`` takes (each kernel takes its own tile sizes)."""
-    return {k: v for k, v in dims.items() if k in kernel.arg_names}
-
-
-MAXNREG = 0        # no cap by default (168 would fit 3 programs of 4 warps per SM: 65536 / (168 x 128))
-
-
-def register_cap() -> dict:
-    """``{"maxnreg": N}``, the registers a thread may use (``FIBATTN_TRITON_MAXNREG``, 0 for no cap; default
-    :data:`MAXNREG`), where this Triton takes it. The tiles of :func:`config` keep every kernel of the goal
-    setting at 128-159 registers, 3 programs per SM, uncapped; other settings (Dh 128: up to 188) may gain from a
-    cap, but ptxas spills below what a kernel needs, which ``tools/gpu_static.py``'s model does not price, so the
-    GPU check's sweep times it before any cap becomes a default."""
-    n = os.environ.get("FIBATTN_TRITON_MAXNREG")
-    try:
-        cap = MAXNREG if n is None else int(n)
-    except ValueError:
-        raise UsageError(f"FIBATTN_TRITON_MAXNREG must be a register count (0: none), got {n!r}") from None
-    if cap < 0 or cap > 255:
-        raise UsageError(f"FIBATTN_TRITON_MAXNREG must be from 0 to 255, got {cap}")
-    return {"maxnreg": cap} if cap and _takes_maxnreg() else {}
-
-
-@functools.lru_cache(maxsize=1)
-def _takes_maxnreg() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "maxnreg" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 # ----------------------------------------------------------------------------- columns
@@ -322,19 +164,6 @@ def _acc_dtype(dtype):
 def aux_like(q, spec):
     """The saved softmax state: log-sum-exp (base 2) ``(B, H, T)`` in the accumulation dtype."""
     return q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
-
-
-def key_pass_rows(block_m: int, two_tap: bool) -> int:
-    """Key rows a program of the backward's key pass owns: its tile's ``M``, or ``M - 1`` with two taps (the last
-    row's second tap reads a query row past the tile's gather: the next program, whose first row it is, writes
-    it; ``M / (M - 1)`` more programs in place of a second gather per rung)."""
-    return block_m - 1 if two_tap else block_m
-
-
-# what overrides :func:`config` (each checked there; a launch plan is keyed on them)
-SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
-            "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
-            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS")
 
 
 def _launch(q, hkv, wb, trace: bool = False):

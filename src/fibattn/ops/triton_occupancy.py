@@ -7,7 +7,8 @@ ptxas at hand, and no rule on the tile's sizes alone predicts it (issue 56: such
 settings after one kernel change). So such a choice is made on the compiled code itself: each candidate is
 compiled for the device's architecture, and the first (the largest step, the fewest instructions) is taken
 unless its registers leave fewer warps resident than another candidate's, counted up to
-:data:`TARGET_WARPS_PER_SM` (beyond which more warps gain nothing: ``tools/gpu_static.py``'s calibrated model).
+:data:`TARGET_WARPS_PER_SM` (beyond which more warps gain nothing: ``tools/gpu_static.py``'s calibrated model),
+or it spills where another does not (under a register cap, ``FIBATTN_TRITON_MAXNREG``).
 
 Used by ``triton_backend`` at a launch on CUDA (once per kernel and setting; the choice is logged) and by
 ``triton_static`` for ``tools/gpu_static.py`` (sm_90, offline: Triton's own ptxas, no device).
@@ -43,11 +44,14 @@ def resident_warps(registers: int, num_warps: int) -> int:
     return max(programs, 1) * num_warps
 
 
-def pick(registers: list[int], num_warps: int) -> int:
+def pick(registers: list[int], num_warps: int, stack: list[int] | None = None) -> int:
     """Index of the candidate to take, the candidates in order of preference (fewest instructions first): the
-    first whose resident warps, counted up to :data:`TARGET_WARPS_PER_SM`, are the most any candidate keeps."""
-    warps = [min(resident_warps(r, num_warps), TARGET_WARPS_PER_SM) for r in registers]
-    return warps.index(max(warps))
+    first whose resident warps, counted up to :data:`TARGET_WARPS_PER_SM`, are the most any candidate keeps —
+    among those that do not spill (``stack`` bytes, under a register cap), if any does not."""
+    score = [(min(resident_warps(r, num_warps), TARGET_WARPS_PER_SM), not (stack and stack[i]))
+             for i, r in enumerate(registers)]
+    score = [(spill_free, warps) if any(ok for _, ok in score) else (True, warps) for warps, spill_free in score]
+    return score.index(max(score))
 
 
 def signature(fn, constexprs: dict, dtype: str, head_dim: int) -> tuple[dict, dict]:
@@ -111,15 +115,16 @@ def choose(fn, key: str, candidates: tuple, constexprs: dict, dtype: str, head_d
 def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target) -> int:
     opts = dict(options)
     try:
-        regs = [cubin_resources(compile_kernel(fn, {**dict(frozen), key: c}, dtype, head_dim, opts,
-                                               target).asm["cubin"])[0] for c in candidates]
+        res = [cubin_resources(compile_kernel(fn, {**dict(frozen), key: c}, dtype, head_dim, opts,
+                                              target).asm["cubin"]) for c in candidates]
     except Exception as exc:           # a tool or compile failing must not stop the op: take the first
         log.warning("fibattn: %s %s not chosen by registers (%s: %s); taking %s", fn.__name__, key,
                     type(exc).__name__, exc, candidates[0])
         return candidates[0]
-    chosen = candidates[pick(regs, opts["num_warps"])]
-    log.info("fibattn: %s %s=%s of %s (registers %s, %d warps a program, %s)", fn.__name__, key, chosen,
-             list(candidates), regs, opts["num_warps"], dtype)
+    regs, stack = [r for r, _ in res], [b for _, b in res]
+    chosen = candidates[pick(regs, opts["num_warps"], stack)]
+    log.info("fibattn: %s %s=%s of %s (registers %s, stack bytes %s, %d warps a program, %s)", fn.__name__, key,
+             chosen, list(candidates), regs, stack, opts["num_warps"], dtype)
     return chosen
 
 

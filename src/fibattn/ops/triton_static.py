@@ -1,12 +1,13 @@
 """What ``tools/gpu_static.py`` compiles for sm_90 without a device: the ``triton`` backend's kernels
-(:mod:`fibattn.ops.triton_backend`) with the signature, specialisations and launch options a real launch gives
-them, and what each program of an interior tile does (loops, products, bytes)."""
+(:mod:`fibattn.ops.triton_backend`) with the tiles (:mod:`fibattn.ops.triton_config`), signature, specialisations
+and launch options a real launch gives them, and what each program of an interior tile does (loops, products,
+bytes)."""
 from __future__ import annotations
 
 import functools
 
 from . import triton_occupancy
-from .triton_backend import config, forward_band, kernels, key_pass_rows, key_pass_rungs, query_pass_rungs
+from .triton_config import config, forward_band, kernels, key_pass_rows, key_pass_rungs, query_pass_rungs
 
 SM90 = ("cuda", 90, 32)            # the GPUTarget the static tool compiles for (H100 / H200)
 
@@ -28,7 +29,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
                 **({"maxnreg": cfg.pop("maxnreg")} if "maxnreg" in cfg else {}))
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
-    # the tile choices as a launch on an sm_90 device makes them (triton_backend._chosen)
+    # the tile choices as a launch on an sm_90 device makes them (triton_config._chosen)
     dims = dict(ACC=tl.float32, IN=tdt, DOT=tdt, **cfg,
                 choose=functools.partial(triton_occupancy.choose, dtype=dtype, head_dim=head_dim, options=opts,
                                          target=GPUTarget(*SM90)))
