@@ -91,8 +91,8 @@ def config(group: int, head_dim: int, window: int) -> dict:
     # SPLIT_P 0 (FIBATTN_TRITON_SPLIT_P): probabilities into P·V as one half-precision part, not hi + lo — for
     # timing what the split costs (issue 56 item 3), at half precision's accuracy
     return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=rb_dq, RB_KEY_PASS=rb_keys, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
-                num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
+                RB_TWO_TAP_DQ=rb_dq, RB_KEY_PASS=rb_keys, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)),
+                num_warps=warps, num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
 
 
 def _env_candidates(key: str, default: tuple, parse) -> tuple:
