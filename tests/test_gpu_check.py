@@ -88,14 +88,16 @@ def test_quick_generate_step_runs_on_cpu(tmp_path):
 
 
 def test_quick_op_step_runs_on_cpu(tmp_path):
-    """Issues 54 / 56: the op timed beside dense (wall time on the CPU; graph replay on CUDA) and the host's time
-    per call, each giving its goal's number (not judged in --quick)."""
+    """Issues 54 / 56: the op timed beside dense (wall time on the CPU; graph replay on CUDA), its backward over its
+    forward, and the host's time per call, each giving its goal's number (not judged in --quick)."""
     summary = quick_summary(tmp_path, "op")
     assert [s["status"] for s in summary["steps"].values()] == ["ok"], summary["steps"]
     ratios, goals = summary["ratios"], summary["goals"]
     for key in ("op dense/integer fwd+bwd at 256", "op interpolated/integer (worst length)",
-                "op documents/integer (worst length)", "op host us per eager fwd+bwd (integer)"):
+                "op documents/integer (worst length)", "op host us per eager fwd+bwd (integer)",
+                "op integer backward/forward at 256", "op interpolated backward/forward at 256"):
         assert ratios[key] > 0, key
+    assert goals["op integer backward/forward at 4096"]["goal"] == "<= 3.0"
     assert goals["op host us per eager fwd+bwd (integer)"]["goal"] == "<= 60.0"
     assert goals["op dense/integer fwd+bwd at 65536"]["goal"] == ">= 70.0"
     assert goals["op interpolated/integer (worst length)"]["judged"] is False

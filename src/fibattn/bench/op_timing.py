@@ -8,6 +8,8 @@ Dh 64, W 12, fib:15 at alpha 1.5, bf16 on CUDA) and length:
   events: the device's time alone (what the kernels cost);
 - ``eager_ms``: the same call made eagerly ``--iters`` times between events: device time plus whatever host time
   the device waits for (a host-bound op shows eager ≫ graph);
+- ``forward_graph_ms`` (``forward_eager_ms`` on a CPU): the forward alone, so that the backward's share is seen
+  (issue 56 item 1: the backward at most 3× the forward at 4K);
 - the dense path: every SDPA backend that runs (cuDNN, flash, efficient), each replayed from a graph, and the
   fastest named: the fair baseline; ratios are taken against it.
 
@@ -104,11 +106,12 @@ def time_path(cfg: BenchConfig, path: str, T: int, iters: int) -> dict:
         best = min(got, key=got.get)
         return {"path": "dense", "T": T, "graph_ms" if cuda else "eager_ms": got[best], "backend": best,
                 "backends_ms": got}
-    step = make_step(cfg, path, T)
+    step, fwd = make_step(cfg, path, T), make_step(cfg, path, T, backward=False)
     if not cuda:
-        return dict(path=path, T=T, eager_ms=_wall_ms(step, iters))
+        return dict(path=path, T=T, eager_ms=_wall_ms(step, iters), forward_eager_ms=_wall_ms(fwd, iters))
     eager = _events_ms(step, iters)
-    return dict(path=path, T=T, eager_ms=eager, graph_ms=_events_ms(_graphed(step), iters))
+    return dict(path=path, T=T, eager_ms=eager, graph_ms=_events_ms(_graphed(step), iters),
+                forward_graph_ms=_events_ms(_graphed(fwd), iters))
 
 
 def host_us(cfg: BenchConfig, path: str, T: int, iters: int, calls: int = 20) -> float:
@@ -129,7 +132,8 @@ def host_us(cfg: BenchConfig, path: str, T: int, iters: int, calls: int = 20) ->
 
 
 def ratios(records: list[dict]) -> dict:
-    """dense ÷ integer (graph replay), interpolated ÷ integer and documents ÷ plain per length."""
+    """dense ÷ integer (graph replay), interpolated ÷ integer and documents ÷ plain per length; each op's backward
+    ÷ its forward."""
     at = {(r["path"], r["T"]): r for r in records}
     key = "graph_ms" if all("graph_ms" in r for r in records) else "eager_ms"
     out = {}
@@ -142,6 +146,10 @@ def ratios(records: list[dict]) -> dict:
             other = at.get((path, T))
             if other is not None and key in other:
                 out[f"{name} fwd+bwd at {T}"] = other[key] / base[key]
+        for path in ("integer", "interpolated"):
+            r = at.get((path, T))
+            if r is not None and r.get(f"forward_{key}"):
+                out[f"{path} backward/forward at {T}"] = (r[key] - r[f"forward_{key}"]) / r[f"forward_{key}"]
     return out
 
 
@@ -167,11 +175,12 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
-    print(f"{'path':>14} {'T':>7} {'graph ms':>10} {'eager ms':>10}  dense backend")
+    print(f"{'path':>14} {'T':>7} {'graph ms':>10} {'eager ms':>10} {'forward ms':>11}  dense backend")
     def ms(x) -> str:
         return "-" if x is None else f"{x:.3f}"
     for r in records:
-        print(f"{r['path']:>14} {r['T']:>7} {ms(r.get('graph_ms')):>10} {ms(r.get('eager_ms')):>10}  "
+        fwd = r.get("forward_graph_ms", r.get("forward_eager_ms"))
+        print(f"{r['path']:>14} {r['T']:>7} {ms(r.get('graph_ms')):>10} {ms(r.get('eager_ms')):>10} {ms(fwd):>11}  "
               f"{r.get('backend', '')}")
     for path, us in host.items():
         print(f"host time per eager forward + backward, {path} at T={args.host_length}: {us:.0f} µs")
