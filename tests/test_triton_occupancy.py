@@ -88,3 +88,21 @@ def test_the_static_kernels_make_their_choices_from_compiled_registers():
     assert all(40 <= r <= 255 for r in got["regs"]), got
     assert got["rb"] == (2, 1)[occ.pick(got["regs"], got["warps"])]
     assert got["bn"] in (32, 16)
+
+
+def test_resources_without_cuobjdump_come_from_the_loaded_kernel(monkeypatch):
+    """A Triton that ships no ``cuobjdump``: on a CUDA machine the kernel loaded on the device gives its registers
+    and spills; with no device either, an error (which :func:`choose` turns into its warning and first pick)."""
+    import torch
+
+    class Loaded:
+        n_regs, n_spills = 0, 0
+
+        def _init_handles(self):
+            self.n_regs, self.n_spills = 160, 8
+    monkeypatch.setattr(occ, "nvidia_tool", lambda name: "/nonexistent/" + name)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert occ.resources(Loaded()) == (160, 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(FileNotFoundError, match="no /nonexistent/cuobjdump and no CUDA device"):
+        occ.resources(Loaded())

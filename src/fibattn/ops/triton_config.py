@@ -15,7 +15,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-
 @functools.lru_cache(maxsize=1)
 def kernels():
     from . import triton_kernels

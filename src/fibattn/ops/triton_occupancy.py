@@ -89,6 +89,18 @@ def nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def resources(kernel) -> tuple[int, int]:
+    """``(registers per thread, stack bytes)`` of a compiled kernel: read from its cubin by ``cuobjdump``, or, where
+    this Triton ships none, from the kernel loaded on the current CUDA device."""
+    if os.path.exists(nvidia_tool("cuobjdump")):
+        return cubin_resources(kernel.asm["cubin"])
+    import torch
+    if not torch.cuda.is_available():
+        raise FileNotFoundError(f"no {nvidia_tool('cuobjdump')} and no CUDA device to load the kernel on")
+    kernel._init_handles()
+    return int(kernel.n_regs), int(kernel.n_spills)
+
+
 def cubin_resources(cubin: bytes) -> tuple[int, int]:
     """``(registers per thread, stack bytes)`` of a one-kernel cubin (``cuobjdump -res-usage``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
@@ -115,8 +127,8 @@ def choose(fn, key: str, candidates: tuple, constexprs: dict, dtype: str, head_d
 def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target) -> int:
     opts = dict(options)
     try:
-        res = [cubin_resources(compile_kernel(fn, {**dict(frozen), key: c}, dtype, head_dim, opts,
-                                              target).asm["cubin"]) for c in candidates]
+        res = [resources(compile_kernel(fn, {**dict(frozen), key: c}, dtype, head_dim, opts, target))
+               for c in candidates]
     except Exception as exc:           # a tool or compile failing must not stop the op: take the first
         log.warning("fibattn: %s %s not chosen by registers (%s: %s); taking %s", fn.__name__, key,
                     type(exc).__name__, exc, candidates[0])
