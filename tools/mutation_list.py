@@ -352,7 +352,7 @@ MUTATIONS = [
     Mutation("triton-key-pass-rungs-grouped-by-tile-row", "kernel offsets", TK,
              "tl.int32, RBK, BLOCK_G * BLOCK_M)", "tl.int32, RBK, BLOCK_M)", (TRITON, "-k", "either_candidate")),
     Mutation("triton-per-rung-value-of-the-wrong-rung", "kernel offsets", OPS + "triton_tiles.py",
-             "tl.where(n // BLOCK_M == j,", "tl.where(n // BLOCK_M == j - 1,", (TRITON, "-k", "integer_fp32")),
+             "tl.where(n // COLS == j,", "tl.where(n // COLS == j - 1,", (TRITON, "-k", "integer_fp32")),
     Mutation("triton-documents-forward-band-step-ignored", "kernel tiles", OPS + "triton_config.py",
              "    if not (two_tap and docs):\n", "    if True:\n", (TRITON, "-k", "candidates_of_each_choice")),
     Mutation("triton-choice-without-the-documents-flag", "kernel tiles", OPS + "triton_config.py",

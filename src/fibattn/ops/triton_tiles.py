@@ -93,13 +93,14 @@ def _softmax_step(m_i, l_i, acc, s):
 
 
 @triton.jit
-def _per_rung(X, r0, nr, other, DT: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``X[r0 + n // M]`` per column ``n`` of a rung block (``other`` past the ``nr`` rungs in use), from ``RB``
-    scalar loads: a per-column gather of the same ``RB`` values cost ~8 instructions a value and thread."""
-    n = tl.arange(0, RB * BLOCK_M)
-    x = tl.zeros([RB * BLOCK_M], DT) + tl.load(X + r0, mask=r0 < nr, other=other).to(DT)
+def _per_rung(X, r0, nr, other, DT: tl.constexpr, RB: tl.constexpr, COLS: tl.constexpr):
+    """``X[r0 + n // COLS]`` per column ``n`` of a block of ``RB`` rungs, ``COLS`` columns each (``other`` past
+    the ``nr`` rungs in use), from ``RB`` scalar loads: a per-column gather of the same ``RB`` values cost ~8
+    instructions a value and thread."""
+    n = tl.arange(0, RB * COLS)
+    x = tl.zeros([RB * COLS], DT) + tl.load(X + r0, mask=r0 < nr, other=other).to(DT)
     for j in tl.static_range(1, RB):
-        x = tl.where(n // BLOCK_M == j, tl.load(X + r0 + j, mask=r0 + j < nr, other=other).to(DT), x)
+        x = tl.where(n // COLS == j, tl.load(X + r0 + j, mask=r0 + j < nr, other=other).to(DT), x)
     return x
 
 
