@@ -69,12 +69,14 @@ def test_the_ops_apply_only_to_compiled_cuda_calls_with_real_kernels():
     assert not triton_ops.applies("cpu", cpu)
 
 
-def _trace(kind: str) -> list:
+def _trace(kind: str, stderr: list | None = None) -> list:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("trace_triton_ops.py")
     proc = subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, env=env, timeout=300,
                           cwd=script.parent)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -88,6 +90,18 @@ def test_a_compiled_cuda_call_launches_the_kernels_itself_and_reads_nothing_back
     assert graph["fibattn_ops"] == []           # nothing opaque left: inductor sees, plans and launches it all
     assert graph["host"] == []                  # no host constant copied over, no value read back
     assert graph["devices"] == ["cuda"]         # every tensor the graph makes is on the device
+
+
+def test_a_compiled_call_on_a_device_makes_its_tile_choices_while_tracing():
+    """The backward traced as on an sm_90 device (no GPU needed: the choices compile their candidates offline):
+    the query and key passes are launched with the rungs a step the compiled registers chose, each choice made and
+    logged while tracing, none fallen back."""
+    err = []
+    (graph,) = _trace("backward-chosen", err)
+    assert graph["kernels"] == ["plan_kernel", "flags_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
+    assert graph["rungs"]["bwd_dq_kernel.RB"] in (1, 2) and graph["rungs"]["bwd_dkdv_kernel.RBK"] in (1, 2)
+    assert "bwd_dq_kernel RB=" in err[0] and "bwd_dkdv_kernel RBK=" in err[0]
+    assert "not chosen by registers" not in err[0]
 
 
 @pytest.mark.gpu

@@ -2,8 +2,10 @@
 the public ops on fake CUDA tensors (no GPU needed) and print, as JSON, what each AOT graph holds — the
 Triton kernels it launches itself, any other fibattn op, and anything that would make or read a host value.
 
-Argument: ``integer`` | ``interpolated`` | ``backward``. (Documents are left out: slicing a fake CUDA tensor
-needs CUDA in this torch; the ops pass ``off`` through as one more tensor.)
+Argument: ``integer`` | ``interpolated`` | ``backward`` | ``backward-chosen`` (the backward as on an sm_90 device:
+its tile choices made on code compiled while tracing; the rungs a step each pass was launched with are printed).
+(Documents are left out: slicing a fake CUDA tensor needs CUDA in this torch; the ops pass ``off`` through as one
+more tensor.)
 """
 import json
 import os
@@ -30,14 +32,17 @@ class Captured(Exception):
 
 
 def describe(gm) -> dict:
-    kernels, ops, host, devices = [], [], [], set()
+    kernels, ops, host, devices, rungs = [], [], [], set(), {}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             host.append(f"constant {node.target}")
         if node.op != "call_function":
             continue
         if "triton_kernel_wrapper" in str(node.target):
-            kernels.append(kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__)
+            name = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
+            kernels.append(name)
+            args = {**kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]), **node.kwargs["kwargs"]}
+            rungs.update({f"{name}.{k}": args[k] for k in ("RB", "RBK") if k in args})
             continue
         name = str(node.target)
         ops.append(name)
@@ -47,11 +52,20 @@ def describe(gm) -> dict:
         for v in val if isinstance(val, (tuple, list)) else [val]:
             if isinstance(v, torch.Tensor):
                 devices.add(v.device.type)
-    return dict(kernels=kernels, fibattn_ops=[o for o in ops if "fibattn" in o], host=host, devices=sorted(devices))
+    return dict(kernels=kernels, fibattn_ops=[o for o in ops if "fibattn" in o], host=host, devices=sorted(devices),
+                rungs=rungs)
 
 
 def main(kind: str) -> None:
     graphs = []
+    if kind == "backward-chosen":         # as on an H100 / H200: the choices compile their candidates for sm_90
+        import logging
+
+        from triton.backends.compiler import GPUTarget
+
+        from fibattn.ops import triton_backend
+        logging.basicConfig(level=logging.INFO)
+        triton_backend._target = lambda device: GPUTarget("cuda", 90, 32)
 
     def backend(gm, inputs):
         def keep(g, _):
