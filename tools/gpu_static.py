@@ -194,17 +194,14 @@ def disassemble(cubin: bytes) -> tuple[str, int, int]:
 
 
 def compile_kernel(k: dict) -> bytes:
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
+    from fibattn.ops.triton_occupancy import compile_source
     from fibattn.ops.triton_static import SM90
-    kernel = triton.compile(ASTSource(fn=k["fn"], signature=k["signature"], constexprs=k["constexprs"],
-                                      attrs=k.get("attrs")),
-                            target=GPUTarget(*SM90),
-                            options={"num_warps": k["num_warps"], "num_stages": k["num_stages"],
-                                     **({"maxnreg": k["maxnreg"]} if k.get("maxnreg") else {})})
-    return kernel.asm["cubin"]
+    options = {"num_warps": k["num_warps"], "num_stages": k["num_stages"],
+               **({"maxnreg": k["maxnreg"]} if k.get("maxnreg") else {})}
+    return compile_source(k["fn"], k["signature"], k["constexprs"], k.get("attrs"), options,
+                          GPUTarget(*SM90)).asm["cubin"]
 
 
 def analyse_kernel(k: dict) -> KernelStats:

@@ -75,10 +75,17 @@ def signature(fn, constexprs: dict, dtype: str, head_dim: int) -> tuple[dict, di
 
 
 def compile_kernel(fn, constexprs: dict, dtype: str, head_dim: int, options: dict, target):
-    """``fn`` compiled by Triton for ``target`` (a ``GPUTarget``) without a launch: a ``CompiledKernel``."""
+    """``fn`` compiled by Triton for ``target`` (a ``GPUTarget``) without a launch, with the signature a launch
+    gives it (:func:`signature`): a ``CompiledKernel``."""
+    sig, attrs = signature(fn, constexprs, dtype, head_dim)
+    return compile_source(fn, sig, constexprs, attrs, options, target)
+
+
+def compile_source(fn, sig: dict, constexprs: dict, attrs: dict | None, options: dict, target):
+    """``triton.compile`` of ``fn`` with this signature, for ``target``: the one place fibattn compiles without a
+    launch (here and ``tools/gpu_static.py``)."""
     import triton
     from triton.compiler import ASTSource
-    sig, attrs = signature(fn, constexprs, dtype, head_dim)
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=target,
                           options=options)
 
