@@ -187,7 +187,7 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
 
     summary = {}
     _tool().sweep(Stub(), summary)
-    assert len(calls) == len(summary["sweep"]) == 7 and len({name for name, _, _ in calls}) == 7
+    assert len(calls) == len(summary["sweep"]) == 8 and len({name for name, _, _ in calls}) == 8
     for name, cmd, env in calls:
         assert build_parser().parse_args(cmd[3:]).lengths == "16384"          # after "python -m fibattn.cli"
         for key, value in env.items():
@@ -198,14 +198,17 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
         assert set(env) <= set(triton_config.SETTINGS)
         for key in env:
             monkeypatch.delenv(key)
-    one_rung = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_RB_TWO_TAP_DQ") == "1"]
+    one_chunk = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_RUNG_CHUNK") == "16"]
+    one_rung = [x for x in one_chunk if x.get("FIBATTN_TRITON_RUNG_STEP") == "1"]
     one_stage = [x for x in summary["sweep"] if x.get("FIBATTN_TRITON_STAGES") == "1"]
-    assert len(one_rung) == len(one_stage) == 1
+    assert len(one_chunk) == 2 and len(one_rung) == len(one_stage) == 1
     for key, value in {**one_rung[0], **one_stage[0]}.items():
         if key.startswith("FIBATTN_TRITON_") and key not in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS"):
             monkeypatch.setenv(key, value)
     cfg = triton_config.config(4, 64, 12)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == ((1,), (1,), 1)
+    assert (cfg["RUNGS"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == (((16, 1),), (1,), 1)
+    monkeypatch.delenv("FIBATTN_TRITON_RUNG_STEP")
+    assert triton_config.config(4, 64, 12)["RUNGS"] == ((16, 2), (16, 1))       # the other one-chunk row
 
 
 def test_the_ablation_step_leaves_one_stage_out_each(monkeypatch):

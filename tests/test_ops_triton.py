@@ -176,12 +176,15 @@ def test_small_tiles(device, monkeypatch):
     close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
 
 
-@pytest.mark.parametrize("rb", ["1", "2"])
-def test_either_candidate_of_each_choice(device, monkeypatch, rb):
-    """The tile choices' candidates (``triton_config.config``; the interpreter takes the first unless told):
-    the query and key passes at one or two rungs a step, over odd and even rung counts and a group of four."""
-    monkeypatch.setenv("FIBATTN_TRITON_RB_TWO_TAP_DQ", rb)
-    monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", rb)
+@pytest.mark.parametrize("chunk, rb", [("16", "1"), ("16", "2"), ("4", "8"), ("2", "8")])
+def test_either_candidate_of_each_choice(device, monkeypatch, chunk, rb):
+    """The tile choices' candidates (``triton_config.config``; the interpreter takes the first unless told): the
+    rungs in one chunk of the tile at one or two rungs a step (the key pass too), and in chunks of 4 and 2 positions
+    at 8 rungs a step (more than there are: slots past the rungs in use), over odd and even rung counts and a group
+    of four."""
+    monkeypatch.setenv("FIBATTN_TRITON_RUNG_CHUNK", chunk)
+    monkeypatch.setenv("FIBATTN_TRITON_RUNG_STEP", rb)
+    monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", "2" if rb == "8" else rb)
     q, k, v, dout = make(B=1, H=4, Hkv=1, T=70, Dh=16, dtype=torch.float64, seed=21, device=device)
     for base in ("fib:7", "fib:8"):          # 5 and 6 rungs, integer and two-tap
         a = torch.tensor(1.37, dtype=torch.float64, device=device)
@@ -205,7 +208,10 @@ def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     ("FIBATTN_TRITON_BLOCK_M", "24", "FIBATTN_TRITON_BLOCK_M must be a power of two, got 24"),
     ("FIBATTN_TRITON_BLOCK_M", "8", "FIBATTN_TRITON_BLOCK_M must be at least 16"),
     ("FIBATTN_TRITON_BLOCK_Q", "8", "FIBATTN_TRITON_BLOCK_Q must be at least 16"),
-    ("FIBATTN_TRITON_RB_TWO_TAP_DQ", "3", "FIBATTN_TRITON_RB_TWO_TAP_DQ must be a power of two, got 3"),
+    ("FIBATTN_TRITON_RUNG_STEP", "3", "FIBATTN_TRITON_RUNG_STEP must be a power of two, got 3"),
+    ("FIBATTN_TRITON_RUNG_STEP", "2", "FIBATTN_TRITON_RUNG_STEP must be at least 4 at rung chunks of 4 .*got 2"),
+    ("FIBATTN_TRITON_RUNG_CHUNK", "32",
+     "FIBATTN_TRITON_RUNG_CHUNK must be at most FIBATTN_TRITON_BLOCK_M .16., got 32"),
     ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "8", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS must be at least 16"),
     ("FIBATTN_TRITON_STAGES", "0", "FIBATTN_TRITON_STAGES must be one of 1, 2, 3, 4, got '0'"),
     ("FIBATTN_TRITON_SPLIT_P", "yes", "FIBATTN_TRITON_SPLIT_P must be one of 0, 1, got 'yes'")])
@@ -215,27 +221,36 @@ def test_block_size_override_is_checked(key, value, message, monkeypatch):
         triton_config.config(4, 64, 12)
 
 
-@pytest.mark.parametrize("group, head_dim, block_q", [(1, 64, 32), (2, 64, 32), (4, 64, 16), (8, 64, 16),
-                                                     (4, 128, 16)])
-def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, monkeypatch):
-    """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions);
-    the two-tap query pass's rungs a step and the two-tap forward's band step with documents are candidates, the
-    larger step first, and without a chooser (the interpreter) the first is taken; a setting in the environment
-    is the only candidate (the GPU check's sweep times the others)."""
+@pytest.mark.parametrize("group, head_dim, block_q, chunk", [(1, 64, 32, 16), (2, 64, 32, 8), (4, 64, 16, 4),
+                                                            (8, 64, 16, 2), (4, 128, 16, 4)])
+def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, chunk, monkeypatch):
+    """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions); the
+    forward and query pass take the rungs in chunks of ``16 / G`` positions (16 rows), at as many rungs a step as
+    make 16 columns a chunk (at least 2), then the one-chunk tile at 2 and 1; the key pass's rungs a step and the
+    two-tap forward's band step with documents are candidates too, the larger step first. Without a chooser (the
+    interpreter) the first is taken; a setting in the environment is the only candidate (the GPU check's sweep times
+    the others)."""
     cfg = triton_config.config(group, head_dim, 12)
-    assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["RB"]) == (32, block_q, 2)
-    assert (cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (2, 1), (32, 16))
-    fwd, dq, dkdv = triton_config.forward_band, triton_config.query_pass_rungs, triton_config.key_pass_rungs
-    assert (fwd(cfg, True, True), fwd(cfg, True, False), fwd(cfg, False, True)) == (32, 32, 32)
-    assert (dq(cfg, True), dq(cfg, False), dkdv(cfg, True), dkdv(cfg, False)) == (2, 2, 2, 2)
+    step = max(2, 16 // chunk)
+    assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["MC"], cfg["RB"]) == (32, block_q, chunk, step)
+    assert cfg["RUNGS"] == tuple(dict.fromkeys(((chunk, step), (16, 2), (16, 1))))
+    assert (cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (32, 16))
+    fwd, dq, dkdv = triton_config.forward_tiles, triton_config.query_pass_rungs, triton_config.key_pass_rungs
+    for two, docs in ((True, True), (True, False), (False, True)):
+        assert fwd(cfg, two, docs) == {"BLOCK_N": 32, "MC": chunk, "RB": step}
+        assert dq(cfg, two, docs) == {"MC": chunk, "RB": step} and dkdv(cfg, two, docs) == {"RBK": 2}
     assert triton_config.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
-    for key in ("FIBATTN_TRITON_BLOCK_Q", "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_RB_KEY_PASS",
-                "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS"):
-        monkeypatch.setenv(key, "1" if "_RB_" in key else "16")
+    for key, value in (("FIBATTN_TRITON_BLOCK_Q", "16"), ("FIBATTN_TRITON_RUNG_CHUNK", "16"),
+                       ("FIBATTN_TRITON_RUNG_STEP", "1"), ("FIBATTN_TRITON_RB_KEY_PASS", "1"),
+                       ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "16")):
+        monkeypatch.setenv(key, value)
     cfg = triton_config.config(group, head_dim, 12)
-    assert (cfg["BLOCK_Q"], cfg["RB_TWO_TAP_DQ"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (
-        16, (1,), (1,), (16,))
-    assert (fwd(cfg, True, True), dq(cfg, True), dkdv(cfg, False)) == (16, 1, 1)
+    assert (cfg["BLOCK_Q"], cfg["RUNGS"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (
+        16, ((16, 1),), (1,), (16,))
+    assert (fwd(cfg, True, True), dq(cfg, True), dkdv(cfg, False)) == (
+        {"BLOCK_N": 16, "MC": 16, "RB": 1}, {"MC": 16, "RB": 1}, {"RBK": 1})
+    monkeypatch.delenv("FIBATTN_TRITON_RUNG_STEP")
+    assert triton_config.config(group, head_dim, 12)["RUNGS"] == ((16, 2), (16, 1))   # a chunk set: its steps
 
 
 def test_every_setting_the_backend_reads_keys_its_launch_plans():
@@ -250,29 +265,33 @@ def test_every_setting_the_backend_reads_keys_its_launch_plans():
 
 def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
     """``triton_config._chosen``: the chooser (``triton_occupancy.choose`` on CUDA) gets the kernel, the key, the
-    candidates and the constexprs a launch passes (documents or ``OFF=None``), and a plan remembers its answer."""
+    candidates and the constexprs a launch passes (documents or ``OFF=None``; the unchecked launch, ``CHECK``
+    False), and a plan remembers its answer and the launch options it comes with (a register cap)."""
     calls = []
 
     def choose(kernel, key, candidates, consts):
         calls.append((kernel.__name__, key, candidates, consts))
-        return candidates[-1]
+        return candidates[-1], ({"maxnreg": 168} if kernel.__name__ == "bwd_dq_kernel" else {})
     cfg = triton_config.config(4, 64, 12)
     cfg.pop("num_warps"), cfg.pop("num_stages")
     dims = dict(ACC="acc", IN="in", DOT="dot", **cfg, choose=choose)
-    fwd, dq, dkdv = triton_config.forward_band, triton_config.query_pass_rungs, triton_config.key_pass_rungs
-    assert [fwd(dims, True, True), fwd(dims, True, True), dq(dims, True, False, True), dq(dims, True),
-            dkdv(dims, False), dkdv(dims, True, True)] == [16, 16, 1, 1, 1, 1]
-    assert [(n, k, c) for n, k, c, _ in calls] == [("fwd_kernel", "BLOCK_N", (32, 16)), ("bwd_dq_kernel", "RB", (2, 1)),
-                                                   ("bwd_dkdv_kernel", "RBK", (2, 1)),
-                                                   ("bwd_dkdv_kernel", "RBK", (2, 1))]
+    fwd, dq, dkdv = triton_config.forward_tiles, triton_config.query_pass_rungs, triton_config.key_pass_rungs
+    assert fwd(dims, True, True) == fwd(dims, True, True) == {"BLOCK_N": 16, "MC": 16, "RB": 1}
+    assert dq(dims, True, False, True) == dq(dims, True) == {"MC": 16, "RB": 1, "maxnreg": 168}
+    assert dkdv(dims, False) == dkdv(dims, True, True) == {"RBK": 1}
+    rungs = ((4, 4), (16, 2), (16, 1))
+    assert [(n, k, c) for n, k, c, _ in calls] == [
+        ("fwd_kernel", ("BLOCK_N", "MC", "RB"), tuple((bn, *r) for r in rungs for bn in (32, 16))),
+        ("bwd_dq_kernel", ("MC", "RB"), rungs), ("bwd_dkdv_kernel", "RBK", (2, 1)), ("bwd_dkdv_kernel", "RBK", (2, 1))]
     fwd_consts, dq_consts, key_consts = calls[0][3], calls[1][3], calls[2][3]
     assert fwd_consts["TWO_TAP"] and fwd_consts["HAS_DOCS"] and "OFF" not in fwd_consts
+    assert fwd_consts["CHECK"] is False and dq_consts["CHECK"] is False and "CHECK" not in key_consts
     assert dq_consts["NEED_DFRAC"] and not dq_consts["HAS_DOCS"] and dq_consts["OFF"] is None
     assert not key_consts["TWO_TAP"] and calls[3][3]["TWO_TAP"] and calls[3][3]["HAS_DOCS"]
     kern = triton_backend.kernels()
     for name, _, _, consts in calls:
         assert set(consts) <= set(getattr(kern, name).arg_names) and consts["ACC"] == "acc"
-    assert (fwd(dims, False, True), dq(dims, False), dkdv(dims, False)) == (32, 2, 1) and len(calls) == 4
+    assert fwd(dims, False, True) == {"BLOCK_N": 32, "MC": 16, "RB": 1} and len(calls) == 5
 
 
 def test_launch_plan_chooses_only_where_code_is_compiled_for_a_device():
@@ -305,7 +324,7 @@ def test_auto_picks_triton_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tile_choices_are_made_on_the_device(caplog):
-    """On CUDA the two-tap query pass's rungs a step come from the compiled registers (``triton_occupancy``),
+    """On CUDA the query pass's rung chunk and step come from the compiled registers (``triton_occupancy``),
     logged once, and the op still matches the reference."""
     import logging
 
@@ -317,4 +336,4 @@ def test_tile_choices_are_made_on_the_device(caplog):
     with caplog.at_level(logging.INFO, logger="fibattn"):
         close(run(interp(12, "fib:15", "triton"), q, k, v, dout, a),
               run(interp(12, "fib:15", "reference"), q, k, v, dout, a), **FP32)
-    assert "bwd_dq_kernel RB=" in caplog.text and "not chosen by registers" not in caplog.text
+    assert "bwd_dq_kernel MC,RB=" in caplog.text and "not chosen by registers" not in caplog.text

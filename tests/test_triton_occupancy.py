@@ -42,8 +42,8 @@ def test_one_candidate_or_no_target_compiles_nothing(monkeypatch):
         raise AssertionError("compiled")
     monkeypatch.setattr(occ, "compile_kernel", boom)
     fn = triton_backend.kernels().bwd_dq_kernel
-    assert occ.choose(fn, "RB", (1,), {}, "bf16", 64, {"num_warps": 4}, target=object()) == 1
-    assert occ.choose(fn, "RB", (2, 1), {}, "bf16", 64, {"num_warps": 4}, target=None) == 2
+    assert occ.choose(fn, "RB", (1,), {}, "bf16", 64, {"num_warps": 4}, target=object()) == (1, {})
+    assert occ.choose(fn, "RB", (2, 1), {}, "bf16", 64, {"num_warps": 4}, target=None) == (2, {})
 
 
 def test_a_failed_compile_takes_the_first_and_says_so(monkeypatch, caplog):
@@ -52,30 +52,43 @@ def test_a_failed_compile_takes_the_first_and_says_so(monkeypatch, caplog):
     monkeypatch.setattr(occ, "compile_kernel", fail)
     fn = triton_backend.kernels().bwd_dq_kernel
     with caplog.at_level(logging.WARNING, logger="fibattn"):
-        assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": True}, "bf16", 32, {"num_warps": 4}, target="t") == 2
-    assert "bwd_dq_kernel RB not chosen by registers (RuntimeError: no ptxas here); taking 2" in caplog.text
+        assert occ.choose(fn, ("MC", "RB"), ((4, 4), (16, 1)), {"TWO_TAP": True}, "bf16", 32, {"num_warps": 4},
+                          target="t") == ((4, 4), {})
+    assert "bwd_dq_kernel MC,RB not chosen by registers (RuntimeError: no ptxas here); taking (4, 4)" in caplog.text
 
 
 _OFFLINE = """
 import json, logging
 from triton.backends.compiler import GPUTarget
 from fibattn.ops import triton_occupancy as occ, triton_static as t
+from fibattn.ops.triton_config import config
 logging.basicConfig(level=logging.INFO)
 k = t.static_kernels(4, 64, 12, 10, True, docs=True)
 dq = k[1]
 opts = {"num_warps": dq["num_warps"], "num_stages": dq["num_stages"]}
-regs = [occ.cubin_resources(occ.compile_kernel(dq["fn"], {**dq["constexprs"], "RB": rb}, "bf16", 64, opts,
-                                               GPUTarget(*t.SM90)).asm["cubin"])[0] for rb in (2, 1)]
-print(json.dumps({"regs": regs, "warps": dq["num_warps"], "rb": dq["constexprs"]["RB"],
+def res(mc, rb, extra):
+    kern = occ.compile_kernel(dq["fn"], {**dq["constexprs"], "MC": mc, "RB": rb}, "bf16", 64, {**opts, **extra},
+                              GPUTarget(*t.SM90))
+    return occ.cubin_resources(kern.asm["cubin"])
+variants = []
+for mc, rb in config(4, 64, 12)["RUNGS"]:
+    regs, stack = res(mc, rb, {})
+    variants.append([mc, rb, 0, regs, stack])
+    cap = occ.next_cap(regs, opts["num_warps"]) if not stack else None
+    if cap is not None and not res(mc, rb, {"maxnreg": cap})[1]:
+        variants.append([mc, rb, cap, *res(mc, rb, {"maxnreg": cap})])
+print(json.dumps({"variants": variants, "warps": dq["num_warps"],
+                  "chosen": [dq["constexprs"]["MC"], dq["constexprs"]["RB"], dq.get("maxnreg", 0)],
                   "bn": k[0]["constexprs"]["BLOCK_N"]}))
 """
 
 
 def test_the_static_kernels_make_their_choices_from_compiled_registers():
-    """The goal setting's two-tap query pass with documents: each candidate compiled for sm_90 as a launch would
-    (Triton's own ptxas, outside the interpreter), its registers read back, and the choice is :func:`pick`'s on
-    them — so a kernel change that moves registers moves the choice with it, and ``tools/gpu_static.py``
-    reports what a launch would take. Fails when the compile or the register read goes stale."""
+    """The goal setting's two-tap query pass with documents: each candidate (and a capped variant where
+    :func:`next_cap` gives one that does not spill) compiled for sm_90 as a launch would (Triton's own ptxas,
+    outside the interpreter), its registers read back, and the choice is :func:`pick`'s on them — so a kernel change
+    that moves registers moves the choice with it, and ``tools/gpu_static.py`` reports what a launch would take.
+    Fails when the compile or the register read goes stale."""
     pytest.importorskip("triton")
     if not os.path.exists(occ.nvidia_tool("cuobjdump")):
         pytest.skip("this Triton ships no cuobjdump")
@@ -83,11 +96,21 @@ def test_the_static_kernels_make_their_choices_from_compiled_registers():
     res = subprocess.run([sys.executable, "-c", _OFFLINE], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "not chosen by registers" not in res.stderr
-    assert "bwd_dq_kernel RB=" in res.stderr and "fwd_kernel BLOCK_N=" in res.stderr      # the choices, logged
+    assert "bwd_dq_kernel MC,RB=" in res.stderr and "fwd_kernel BLOCK_N,MC,RB=" in res.stderr      # logged
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert all(40 <= r <= 255 for r in got["regs"]), got
-    assert got["rb"] == (2, 1)[occ.pick(got["regs"], got["warps"])]
+    variants = got["variants"]
+    assert all(40 <= v[3] <= 255 for v in variants), got
+    assert got["chosen"] == variants[occ.pick([v[3] for v in variants], got["warps"], [v[4] for v in variants])][:3]
     assert got["bn"] in (32, 16)
+
+
+def test_next_cap_keeps_one_more_program_only_a_few_registers_down():
+    """A cap is offered only where it keeps one more program of 4 warps per SM (170 registers for 3, 128 for 4)
+    within 1/8 of the registers the kernel holds, and never past the warps the model counts."""
+    assert occ.next_cap(178, 4) == 168 and occ.next_cap(172, 4) == 168
+    assert occ.next_cap(238, 4) is None              # 168 would be 30 % fewer: it spills
+    assert occ.next_cap(144, 4) is None              # 3 programs (12 warps) already
+    assert occ.next_cap(136, 8) == 128               # 8 warps a program: 1 -> 2 programs
 
 
 def test_resources_without_cuobjdump_come_from_the_loaded_kernel(monkeypatch):

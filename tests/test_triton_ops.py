@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fibattn.ops import backend_available, triton_ops
+from fibattn.ops import backend_available, triton_config, triton_ops
 from op_helpers import FP32, close, doc_ids, interp, make, run
 
 pytestmark = pytest.mark.skipif(backend_available("triton", torch.device("cpu")) is not None,
@@ -80,10 +80,11 @@ def _trace(kind: str, stderr: list | None = None) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind, kernels", [("integer", ["flags_kernel", "fwd_kernel"]),
-                                           ("interpolated", ["plan_kernel", "flags_kernel", "fwd_kernel"]),
-                                           ("backward", ["plan_kernel", "flags_kernel", "bwd_dq_kernel",
-                                                         "bwd_dkdv_kernel"])])
+# the forward and the query pass twice: unchecked, then checked (triton_backend._CHECKED)
+@pytest.mark.parametrize("kind, kernels", [
+    ("integer", ["flags_kernel", "fwd_kernel", "fwd_kernel"]),
+    ("interpolated", ["plan_kernel", "flags_kernel", "fwd_kernel", "fwd_kernel"]),
+    ("backward", ["plan_kernel", "flags_kernel", "bwd_dq_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"])])
 def test_a_compiled_cuda_call_launches_the_kernels_itself_and_reads_nothing_back(kind, kernels):
     (graph,) = _trace(kind)
     assert graph["kernels"] == kernels
@@ -98,9 +99,11 @@ def test_a_compiled_call_on_a_device_makes_its_tile_choices_while_tracing():
     logged while tracing, none fallen back."""
     err = []
     (graph,) = _trace("backward-chosen", err)
-    assert graph["kernels"] == ["plan_kernel", "flags_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
-    assert graph["rungs"]["bwd_dq_kernel.RB"] in (1, 2) and graph["rungs"]["bwd_dkdv_kernel.RBK"] in (1, 2)
-    assert "bwd_dq_kernel RB=" in err[0] and "bwd_dkdv_kernel RBK=" in err[0]
+    assert graph["kernels"] == ["plan_kernel", "flags_kernel", "bwd_dq_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
+    rungs = graph["rungs"]
+    assert (rungs["bwd_dq_kernel.MC"], rungs["bwd_dq_kernel.RB"]) in triton_config.config(2, 16, 3)["RUNGS"]
+    assert rungs["bwd_dkdv_kernel.RBK"] in (1, 2) and rungs["bwd_dq_kernel.CHECK"] is True   # the last launch's
+    assert "bwd_dq_kernel MC,RB=" in err[0] and "bwd_dkdv_kernel RBK=" in err[0]
     assert "not chosen by registers" not in err[0]
 
 

@@ -57,7 +57,9 @@ The static H200 model (:func:`estimate_ms`)
       reads or writes each of its bf16 tensor arguments (Q, K, V, OUT, DO, DQ, DK, DV by
       name in its signature) once: q-shaped ones ``B x H x T x Dh``, k-shaped ones
       ``B x Hkv x T x Dh``;
-    * launch: 4 us per kernel;
+    * launch: 4 us per kernel launch (``launches``: the forward and the query pass launch twice, the second
+      time for the heads whose keys or values hold a NaN or inf, whose programs otherwise read one flag and
+      leave);
     * programs at length T: ``ceil(T / rows_per_program) x B x Hkv``, every program
       costed as an interior one.
     FlashAttention-2 for comparison, from its FLOPs: causal forward ``2 B H T^2 Dh`` at
@@ -140,6 +142,7 @@ class KernelStats:
     tensor_flops_per_program: float = 0.0
     bytes_per_program: float | None = None
     tensor_args: tuple = ()
+    launches: int = 1                       # the forward and the query pass: a second, checked launch (no work)
 
     @property
     def dynamic_per_thread(self) -> int:
@@ -212,7 +215,8 @@ def analyse_kernel(k: dict) -> KernelStats:
                        registers=regs, spill_bytes=stack, loop_trips=list(k["loop_trips"]),
                        query_heads=k["query_heads"], columns=k["columns"], rows_per_program=k["rows_per_program"],
                        tensor_flops_per_program=float(k.get("tensor_flops_per_program", 0.0)),
-                       bytes_per_program=k.get("bytes_per_program"), tensor_args=args, **a)
+                       bytes_per_program=k.get("bytes_per_program"), tensor_args=args, launches=k.get("launches", 1),
+                       **a)
 
 
 # ----------------------------------------------------------------------------- an op
@@ -256,7 +260,7 @@ def kernel_ms(s: KernelStats, T: int) -> float:
         elem = 4 if g["dtype"] == "fp32" else 2
         nbytes = sum(g["batch"] * (g["heads"] if a in _Q_SHAPED else g["kv_heads"]) * T * g["head_dim"] * elem
                      for a in s.tensor_args)
-    return (max(issue, tensor, nbytes / MEMORY_BPS) + LAUNCH_S) * 1e3
+    return (max(issue, tensor, nbytes / MEMORY_BPS) + LAUNCH_S * s.launches) * 1e3
 
 
 def estimate_ms(stats: list[KernelStats], T: int) -> float:

@@ -7,10 +7,11 @@ forward saves ``lse`` ``(B, H, T)`` (float32; float64 for float64 inputs), not t
 probabilities; the backward's query pass writes the rungs' ``P`` and ``dS`` ``(B·H·T, R)``
 for its key pass (freed when the backward returns).
 
-Two launches per forward — the attention and ``flags_kernel``, one read of K and V marking the rows that
-hold a NaN or inf so that such a value reaches only the queries that attend it — (three for the fractional
-op: its rung plan is computed on the device so that ``alpha`` is never read back to the host), three per
-backward plus the ``alpha`` gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
+Four launches per forward — ``flags_kernel`` (with the zero fill of its per-head summary), one read of K and V
+marking the rows that hold a NaN or inf so that such a value reaches only the queries that attend it, and the
+attention twice: unchecked for the heads without one, checked for the others (:data:`_CHECKED`) — (five for the
+fractional op: its rung plan is computed on the device so that ``alpha`` is never read back to the host), five
+per backward plus the ``alpha`` gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
 ``backward`` take ``off`` (int32 ``(B, T)``, contiguous, on q's device: each position's offset
 in its document; None for one document per row), compiled as a separate kernel variant.
 
@@ -31,7 +32,7 @@ import torch
 
 from ..checks import UsageError
 from .columns import ColumnSpec, dalpha
-from .triton_config import (SETTINGS, _args, _pow2, config, forward_band, interpreting, kernels, key_pass_rows,
+from .triton_config import (SETTINGS, _args, _pow2, config, forward_tiles, interpreting, kernels, key_pass_rows,
                             key_pass_rungs, query_pass_rungs)
 
 name = "triton"
@@ -191,8 +192,9 @@ def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, trace: bool
     target = _target(device)
     if target is not None:
         from . import triton_occupancy
+        # a traced launch cannot take a register cap (see above): no capped variants then
         dims["choose"] = functools.partial(triton_occupancy.choose, dtype=_DTYPE_NAMES[dtype], head_dim=D,
-                                           options=dict(opts), target=target)
+                                           options=dict(opts), target=target, caps=not trace)
     return (triton_cdiv(T, cfg["BLOCK_M"]), B * hkv), dims, opts
 
 
@@ -209,9 +211,10 @@ def _target(device):
 
 
 def _row_flags(k, v, trace: bool) -> torch.Tensor:
-    """``(B, Hkv, T)`` int8: which key (bit 0) and value (bit 1) rows hold a NaN or inf (``flags_kernel``)."""
+    """``(B, Hkv, T + 1)`` int32: which key (bit 0) and value (bit 1) rows hold a NaN or inf, and at ``T`` whether
+    any of the head's does (``flags_kernel``)."""
     B, hkv, T, D = k.shape
-    flags = torch.empty(B, hkv, T, dtype=torch.int8, device=k.device)
+    flags = torch.zeros(B, hkv, T + 1, dtype=torch.int32, device=k.device)
     _launcher(kernels().flags_kernel, trace)[(triton_cdiv(T, 64), B * hkv)](
         k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16))
     return flags
@@ -228,13 +231,21 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
     grid, dims, opts = _launch(q, hkv, wb, trace)
-    bn = forward_band(dims, two, off is not None)
+    tiles, cap = _options(forward_tiles(dims, two, off is not None))
     flags = _row_flags(k, v, trace)
-    _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
-                                                 *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
-                                                 *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
-                                                 **_args(kernels().fwd_kernel, {**dims, "BLOCK_N": bn}), **opts)
+    for check in _CHECKED:
+        _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
+                                                     *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
+                                                     *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
+                                                     CHECK=check, **_args(kernels().fwd_kernel, {**dims, **tiles}),
+                                                     **opts, **cap)
     return out, lse
+
+
+# the forward and the query pass are launched twice: for the heads without a NaN or inf in their keys and values,
+# unchecked, then for the others, each row read checked (triton_kernels._any_flagged); a program leaves at once
+# where its head is the other launch's. One kernel holding both would be compiled for the checked one's registers.
+_CHECKED = (False, True)
 
 
 def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, need_dalpha: bool, off=None):
@@ -257,20 +268,22 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     kern = kernels()
     docs = off is not None
     flags = _row_flags(k, v, trace)
-    dq_dims = _args(kern.bwd_dq_kernel, {**dims, "RB": query_pass_rungs(dims, two, docs, need)})
-    _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo, rwlo,
-                                               rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out), *_s3(dout),
-                                               *_s3(dq), T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
-                                               *split(scale), TWO_TAP=two, NEED_DFRAC=need, HAS_DOCS=docs, **dq_dims,
-                                               **opts)
+    rungs_dq, dq_cap = _options(query_pass_rungs(dims, two, docs, need))
+    dq_dims = _args(kern.bwd_dq_kernel, {**dims, **rungs_dq})
+    for check in _CHECKED:
+        _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo,
+                                                   rwlo, rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
+                                                   *_s3(dout), *_s3(dq), T, R, wb, hkv, H, H // hkv, D,
+                                                   *split(scale * LOG2E), *split(scale), TWO_TAP=two, NEED_DFRAC=need,
+                                                   HAS_DOCS=docs, CHECK=check, **dq_dims, **opts, **dq_cap)
     keys = key_pass_rows(dims["BLOCK_M"], two)
+    rbk, key_cap = _options(key_pass_rungs(dims, two, docs))
     key_grid = (triton_cdiv(T, keys), grid[1])
     _launcher(kern.bwd_dkdv_kernel, trace)[key_grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
                                                      off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
                                                      T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
                                                      *split(scale), TWO_TAP=two, HAS_DOCS=docs, KEYS=keys,
-                                                     RBK=key_pass_rungs(dims, two, docs),
-                                                     **_args(kern.bwd_dkdv_kernel, dims), **opts)
+                                                     **rbk, **_args(kern.bwd_dkdv_kernel, dims), **opts, **key_cap)
     da = None
     if need_dalpha:
         if need:
@@ -278,6 +291,12 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
         else:
             da = torch.zeros((), dtype=alpha.dtype, device=alpha.device)
     return dq, dk, dv, da
+
+
+def _options(choice: dict) -> tuple[dict, dict]:
+    """A tile choice (``triton_config``) as its constexprs and its launch options (a register cap)."""
+    return ({k: v for k, v in choice.items() if k != "maxnreg"},
+            {k: v for k, v in choice.items() if k == "maxnreg"})
 
 
 def triton_cdiv(a: int, b: int) -> int:

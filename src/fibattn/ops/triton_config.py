@@ -59,15 +59,13 @@ def _env_tile(key: str, default: int) -> int:
 def config(group: int, head_dim: int, window: int) -> dict:
     """Tile sizes and warps of a launch (one choice per group size, head size and window, never per T).
 
-    ``BLOCK_M = 16`` rows per program: the rung blocks spend ``M``x the useful products (the
-    block-diagonal mask), and 16 is the least a tensor-core product takes; the ``G`` query
-    heads stacked on them make ``G·16`` tile rows (64 for the goal setting: one Hopper
-    warpgroup). ``BLOCK_N`` keys per band step cover ``M + W`` (up to 64 at a time); ``RB``
-    rungs per rung step make a ``G·M × RB·M`` score block; the key pass's band takes ``BLOCK_Q``
-    query positions per step. ``RB_TWO_TAP_DQ`` (the two-tap backward's query pass),
-    ``RB_KEY_PASS`` (the key pass's rungs a step) and ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's
-    band step with documents) are candidates, in order of preference, that a launch on CUDA chooses
-    from by the compiled code (:func:`_chosen`).
+    ``BLOCK_M = 16`` positions per program, the ``G`` query heads that share a key/value head stacked on them:
+    ``G·16`` tile rows (64 for the goal setting: one Hopper warpgroup). ``BLOCK_N`` keys per band step cover
+    ``M + W`` (up to 64 at a time); the key pass's band takes ``BLOCK_Q`` query positions per step. The forward
+    and the query pass take the rungs in chunks of ``MC`` positions (:func:`rung_chunk`), ``RB`` rungs a step;
+    the key pass ``RB_KEY_PASS`` rungs a step. ``RUNGS`` (``(MC, RB)`` pairs), ``RB_KEY_PASS`` and
+    ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's band step with documents) are candidates, in order of
+    preference, that a launch on CUDA chooses from by the compiled code (:func:`_chosen`).
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
     """
     bg, bd = _pow2(group), max(_pow2(head_dim), 16)
@@ -78,20 +76,49 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
     # three choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
-    # two-tap query pass's rungs a step (two: ~20 % fewer instructions than one, and twice the float32 score
-    # blocks), the key pass's rungs a step (two: 8-16 % fewer, a block of 2·G·M gathered query rows) and the
-    # two-tap forward's band step with documents (32 keys, or 16). Candidates in order of preference; a setting
-    # in the environment is the only candidate
-    rb_dq = _env_candidates("FIBATTN_TRITON_RB_TWO_TAP_DQ", (2, 1), _env_int)
+    # rungs' chunks and step in the forward and the query pass (chunks of 4 positions at 4 rungs a step: 30 %
+    # fewer instructions than one chunk at 2; two-tap, the query pass holds 238 registers so), the key pass's rungs
+    # a step (two: 8-16 % fewer, a block of 2·G·M gathered query rows) and the two-tap forward's band step with
+    # documents (32 keys, or 16). Candidates in order of preference; a setting in the environment is the only one
+    mc = rung_chunk(bg, bm)
+    rungs = _rung_candidates(mc, bm)
     rb_keys = _env_candidates("FIBATTN_TRITON_RB_KEY_PASS", (2, 1), _env_int)
     bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
     # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
     # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
     # SPLIT_P 0 (FIBATTN_TRITON_SPLIT_P): probabilities into P·V as one half-precision part, not hi + lo — for
     # timing what the split costs (issue 56 item 3), at half precision's accuracy
-    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, RB=2, BLOCK_N_TWO_TAP_DOCS=bn_docs,
-                RB_TWO_TAP_DQ=rb_dq, RB_KEY_PASS=rb_keys, SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)),
-                num_warps=warps, num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
+    return dict(BLOCK_G=bg, BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, BLOCK_Q=bq, MC=rungs[0][0], RB=rungs[0][1],
+                RUNGS=rungs, BLOCK_N_TWO_TAP_DOCS=bn_docs, RB_KEY_PASS=rb_keys,
+                SPLIT_P=_env_choice("FIBATTN_TRITON_SPLIT_P", 1, (0, 1)), num_warps=warps,
+                num_stages=_env_choice("FIBATTN_TRITON_STAGES", 2, (1, 2, 3, 4)), **register_cap())
+
+
+def rung_chunk(block_g: int, block_m: int) -> int:
+    """Tile positions a rung chunk takes (``MC``; ``triton_kernels``): a rung's scores are the block diagonal of
+    each chunk's ``(G·MC) × (RB·MC)`` product, so ``MC`` is the factor of wasted work; ``G·MC = 16`` rows, the
+    least a tensor-core product takes (``FIBATTN_TRITON_RUNG_CHUNK``: at most ``BLOCK_M``, the one-chunk tile)."""
+    mc = _env_int("FIBATTN_TRITON_RUNG_CHUNK", min(block_m, max(1, 16 // block_g)))
+    if mc > block_m:
+        raise UsageError(f"FIBATTN_TRITON_RUNG_CHUNK must be at most FIBATTN_TRITON_BLOCK_M ({block_m}), got {mc}")
+    return mc
+
+
+def _rung_candidates(mc: int, bm: int) -> tuple:
+    """``(MC, RB)`` candidates of the forward and the query pass (:func:`config`): the rung chunks, at as many rungs
+    a step as make ``RB·MC >= 16`` columns (a tensor-core product's least depth: ``P·V`` and ``dS·K`` contract over
+    them; at least 2), then the one-chunk tile at two rungs a step and one. ``FIBATTN_TRITON_RUNG_CHUNK`` keeps
+    its chunk; ``FIBATTN_TRITON_RUNG_STEP`` sets the step at it, the only candidate."""
+    key = "FIBATTN_TRITON_RUNG_STEP"
+    if os.environ.get(key) is not None:
+        step = _env_int(key, 2)
+        if step * mc < 16:
+            raise UsageError(f"{key} must be at least {-(-16 // mc)} at rung chunks of {mc} (the {mc} x RB columns "
+                             f"of a step are a tensor-core product's depth, at least 16), got {step}")
+        return ((mc, step),)
+    if os.environ.get("FIBATTN_TRITON_RUNG_CHUNK") is not None:
+        bm = mc
+    return tuple(dict.fromkeys(c for c in ((mc, max(2, 16 // mc)), (bm, 2), (bm, 1)) if c[0] * c[1] >= 16))
 
 
 def _env_candidates(key: str, default: tuple, parse) -> tuple:
@@ -101,39 +128,46 @@ def _env_candidates(key: str, default: tuple, parse) -> tuple:
     return tuple(dict.fromkeys(default))
 
 
-def forward_band(dims: dict, two_tap: bool, docs: bool) -> int:
-    """Keys per band step of the forward (:func:`config`'s ``BLOCK_N``; with two taps and documents, the choice
-    of ``BLOCK_N_TWO_TAP_DOCS``: :func:`_chosen`)."""
-    if not (two_tap and docs):
-        return dims["BLOCK_N"]
-    return _chosen(dims, kernels().fwd_kernel, "BLOCK_N", dims["BLOCK_N_TWO_TAP_DOCS"], TWO_TAP=True, HAS_DOCS=True)
+def forward_tiles(dims: dict, two_tap: bool, docs: bool) -> dict:
+    """The forward's keys per band step and rung chunk and step, ``{"BLOCK_N", "MC", "RB"}``: the choice
+    (:func:`_chosen`) of ``RUNGS``, and with two taps and documents also of ``BLOCK_N_TWO_TAP_DOCS``, the rungs'
+    first."""
+    bns = dims["BLOCK_N_TWO_TAP_DOCS"] if two_tap and docs else (dims["BLOCK_N"],)
+    cands = tuple((bn, mc, rb) for mc, rb in dims["RUNGS"] for bn in bns)
+    (bn, mc, rb), extra = _chosen(dims, kernels().fwd_kernel, ("BLOCK_N", "MC", "RB"), cands, TWO_TAP=two_tap,
+                                  HAS_DOCS=docs)
+    return {"BLOCK_N": bn, "MC": mc, "RB": rb, **extra}
 
 
-def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: bool = True) -> int:
-    """Rungs per step of the backward's query pass (``RB``; with two taps, the choice of ``RB_TWO_TAP_DQ``:
-    :func:`_chosen`)."""
-    if not two_tap:
-        return dims["RB"]
-    return _chosen(dims, kernels().bwd_dq_kernel, "RB", dims["RB_TWO_TAP_DQ"], TWO_TAP=True, HAS_DOCS=docs,
-                   NEED_DFRAC=need_dfrac)
+def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: bool = True) -> dict:
+    """The backward's query pass's rung chunk and step, ``{"MC", "RB"}``: the choice of ``RUNGS`` (:func:`_chosen`)."""
+    (mc, rb), extra = _chosen(dims, kernels().bwd_dq_kernel, ("MC", "RB"), dims["RUNGS"], TWO_TAP=two_tap,
+                              HAS_DOCS=docs, NEED_DFRAC=need_dfrac and two_tap)
+    return {"MC": mc, "RB": rb, **extra}
 
 
-def key_pass_rungs(dims: dict, two_tap: bool, docs: bool = False) -> int:
-    """Rungs per step of the backward's key pass (``RBK``): the choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
-    return _chosen(dims, kernels().bwd_dkdv_kernel, "RBK", dims["RB_KEY_PASS"], TWO_TAP=two_tap, HAS_DOCS=docs)
+def key_pass_rungs(dims: dict, two_tap: bool, docs: bool = False) -> dict:
+    """Rungs per step of the backward's key pass, ``{"RBK"}``: the choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
+    rbk, extra = _chosen(dims, kernels().bwd_dkdv_kernel, "RBK", dims["RB_KEY_PASS"], TWO_TAP=two_tap,
+                         HAS_DOCS=docs)
+    return {"RBK": rbk, **extra}
 
 
-def _chosen(dims: dict, kernel, key: str, candidates: tuple, **flags) -> int:
-    """Of ``candidates`` for constexpr ``key`` of ``kernel``: the one ``dims["choose"]`` takes (a bound
-    ``triton_occupancy.choose``: the compiled registers decide), or the first where there is none (the
-    interpreter; a trace without a device). Remembered in ``dims``, so that a launch plan decides once."""
+def _chosen(dims: dict, kernel, key, candidates: tuple, **flags) -> tuple:
+    """``(value, options)``: of ``candidates`` for constexpr ``key`` of ``kernel`` (or a tuple of them, each
+    candidate a tuple of their values), the one ``dims["choose"]`` takes (a bound ``triton_occupancy.choose``: the
+    compiled registers decide), with the launch options it takes (a register cap, ``{"maxnreg": N}``, or none); or
+    the first where there is none (the interpreter; a trace without a device). Remembered in ``dims``, so that a
+    launch plan decides once."""
     choose = dims.get("choose")
     if choose is None or len(candidates) == 1:
-        return candidates[0]
+        return candidates[0], {}
     memo = dims.setdefault("chosen", {})
     name = (kernel.__name__, key, tuple(sorted(flags.items())))
     if name not in memo:
-        consts = {**_args(kernel, dims), **flags, **({} if flags["HAS_DOCS"] else {"OFF": None})}
+        # the kernel launched for heads without a NaN / inf (CHECK: triton_kernels._any_flagged)
+        check = {"CHECK": False} if "CHECK" in kernel.arg_names else {}
+        consts = {**_args(kernel, dims), **check, **flags, **({} if flags["HAS_DOCS"] else {"OFF": None})}
         memo[name] = choose(kernel, key, candidates, consts)
     return memo[name]
 
@@ -181,5 +215,5 @@ def key_pass_rows(block_m: int, two_tap: bool) -> int:
 
 # what overrides :func:`config` (each checked there; a launch plan is keyed on them)
 SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
-            "FIBATTN_TRITON_RB_TWO_TAP_DQ", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
-            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS")
+            "FIBATTN_TRITON_RUNG_STEP", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
+            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS", "FIBATTN_TRITON_RUNG_CHUNK")

@@ -8,7 +8,9 @@ settings after one kernel change). So such a choice is made on the compiled code
 compiled for the device's architecture, and the first (the largest step, the fewest instructions) is taken
 unless its registers leave fewer warps resident than another candidate's, counted up to
 :data:`TARGET_WARPS_PER_SM` (beyond which more warps gain nothing: ``tools/gpu_static.py``'s calibrated model),
-or it spills where another does not (under a register cap, ``FIBATTN_TRITON_MAXNREG``).
+or it spills where another does not (under a register cap, ``FIBATTN_TRITON_MAXNREG``). A candidate a few
+registers over the count that would keep one more program per SM is also compiled capped there
+(:func:`next_cap`), and the capped variant, if it does not spill, competes as the next candidate.
 
 Used by ``triton_backend`` at a launch on CUDA (once per kernel and setting; the choice is logged) and by
 ``triton_static`` for ``tools/gpu_static.py`` (sm_90, offline: Triton's own ptxas, no device).
@@ -30,7 +32,7 @@ TARGET_WARPS_PER_SM = 12        # 3 per scheduler: the model's issue efficiency 
 
 _ACC_POINTERS = ("LSE", "DELTA", "PR", "DSR", "DFRAC")
 _TENSOR_ARGS = {"Q", "K", "V", "OUT", "DO", "DQ", "DK", "DV"}
-_FIXED_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i8", "RWLO": "*fp64", "RWHI": "*fp64",
+_FIXED_POINTERS = {"RLO": "*i32", "RN": "*i32", "OFF": "*i32", "FLAGS": "*i32", "RWLO": "*fp64", "RWHI": "*fp64",
                    "RBASE": "*fp64", "ALPHA": "*fp32", "BASE": "*fp64"}
 _SCALES = ("qk_scale", "sm_scale", "qk_lo", "sm_lo")
 
@@ -119,32 +121,60 @@ def cubin_resources(cubin: bytes) -> tuple[int, int]:
     return int(fields["REG"]), int(fields["STACK"])
 
 
-def choose(fn, key: str, candidates: tuple, constexprs: dict, dtype: str, head_dim: int, options: dict,
-           target) -> int:
-    """The value of constexpr ``key`` to launch ``fn`` with, of ``candidates`` (preference order; see the module
-    docstring), the other constexprs ``constexprs``. One candidate, or no ``target`` (the interpreter, a trace
-    without a device): the first, nothing compiled."""
+def choose(fn, key, candidates: tuple, constexprs: dict, dtype: str, head_dim: int, options: dict, target,
+           caps: bool = True) -> tuple:
+    """``(value, options)``: the value of constexpr ``key`` to launch ``fn`` with, of ``candidates`` (preference
+    order; see the module docstring), the other constexprs ``constexprs``, and the launch options it takes beyond
+    ``options`` (``{"maxnreg": N}`` for a capped variant: :func:`next_cap`; ``caps`` False: none tried). ``key`` a
+    tuple of names: each candidate a tuple of their values. One candidate, or no ``target`` (the interpreter, a
+    trace without a device): the first, nothing compiled."""
     if len(candidates) == 1 or target is None:
-        return candidates[0]
+        return candidates[0], {}
     frozen = tuple(sorted(constexprs.items(), key=lambda kv: kv[0]))
-    return _choose(fn, key, tuple(candidates), frozen, dtype, head_dim, tuple(sorted(options.items())), target)
+    return _choose(fn, key, tuple(candidates), frozen, dtype, head_dim, tuple(sorted(options.items())), target,
+                   caps and "maxnreg" not in options)
+
+
+def next_cap(registers: int, num_warps: int) -> int | None:
+    """The register cap at which a kernel of ``registers`` per thread keeps one more program per SM, if that is
+    within 1/8 of what it holds (ptxas often takes a few registers more than a kernel needs; a cap further down
+    spills): or None."""
+    programs = resident_warps(registers, num_warps) // num_warps
+    cap = REGISTERS_PER_SM // ((programs + 1) * WARP * num_warps) // 8 * 8
+    fits = resident_warps(cap, num_warps) // num_warps > programs and cap * 9 >= registers * 8
+    return cap if fits and resident_warps(registers, num_warps) < TARGET_WARPS_PER_SM else None
 
 
 @functools.lru_cache(maxsize=64)
-def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target) -> int:
+def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target, caps):
     opts = dict(options)
+    names = key if isinstance(key, tuple) else (key,)
+    name = ",".join(names)
+
+    def compiled(c, extra):
+        consts = {**dict(frozen), **dict(zip(names, c if isinstance(key, tuple) else (c,)))}
+        return resources(compile_kernel(fn, consts, dtype, head_dim, {**opts, **extra}, target))
     try:
-        res = [resources(compile_kernel(fn, {**dict(frozen), key: c}, dtype, head_dim, opts, target))
-               for c in candidates]
+        variants = []                  # (candidate, extra options, registers, stack), in order of preference
+        for c in candidates:
+            regs, stack = compiled(c, {})
+            variants.append((c, {}, regs, stack))
+            cap = next_cap(regs, opts["num_warps"]) if caps and not stack else None
+            if cap is not None:
+                capped = compiled(c, {"maxnreg": cap})
+                if not capped[1]:      # a capped variant only where it does not spill
+                    variants.append((c, {"maxnreg": cap}, *capped))
     except Exception as exc:           # a tool or compile failing must not stop the op: take the first
-        log.warning("fibattn: %s %s not chosen by registers (%s: %s); taking %s", fn.__name__, key,
+        log.warning("fibattn: %s %s not chosen by registers (%s: %s); taking %s", fn.__name__, name,
                     type(exc).__name__, exc, candidates[0])
-        return candidates[0]
-    regs, stack = [r for r, _ in res], [b for _, b in res]
-    chosen = candidates[pick(regs, opts["num_warps"], stack)]
-    log.info("fibattn: %s %s=%s of %s (registers %s, stack bytes %s, %d warps a program, %s)", fn.__name__, key,
-             chosen, list(candidates), regs, stack, opts["num_warps"], dtype)
-    return chosen
+        return candidates[0], {}
+    regs, stack = [v[2] for v in variants], [v[3] for v in variants]
+    chosen, extra = variants[pick(regs, opts["num_warps"], stack)][:2]
+    log.info("fibattn: %s %s=%s%s of %s (registers %s, stack bytes %s, %d warps a program, %s)", fn.__name__, name,
+             chosen, f" maxnreg={extra['maxnreg']}" if extra else "",
+             [v[0] if not v[1] else f"{v[0]} maxnreg={v[1]['maxnreg']}" for v in variants], regs, stack,
+             opts["num_warps"], dtype)
+    return chosen, extra
 
 
 @functools.lru_cache(maxsize=8)

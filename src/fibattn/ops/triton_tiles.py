@@ -14,20 +14,55 @@ _NEVER = tl.constexpr(NEVER)
 
 @triton.jit
 def _rows(base, offs, offs_d, ok, in_d):
-    """A ``(rows, Dh)`` block: row ``r`` starts at element ``offs[r]`` of ``base``."""
-    return tl.load(base + offs[:, None] + offs_d[None, :], mask=ok[:, None] & in_d[None, :], other=0.0)
+    """A ``(rows, Dh)`` block (``(chunks, rows, Dh)`` for 2-D ``offs``): row ``r`` starts at element ``offs[r]`` of
+    ``base``."""
+    return tl.load(base + _last(offs) + offs_d, mask=_last(ok) & in_d, other=0.0)
 
 
 @triton.jit
-def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr):
+def _last(x):
+    """``x`` with a new last axis of size 1 (``x[..., None]`` at any rank)."""
+    return tl.expand_dims(x, len(x.shape))
+
+
+@triton.jit
+def _mid(x):
+    """``x`` with a new axis of size 1 before its last (``x[..., None, :]`` at any rank)."""
+    return tl.expand_dims(x, len(x.shape) - 1)
+
+
+@triton.jit
+def _chunk_cols(i0, MC: tl.constexpr, C: tl.constexpr, N: tl.constexpr):
+    """The tile position each of a rung block's ``N`` columns serves (column ``n`` of chunk ``c``: ``c·MC + n %
+    MC``): ``(C, N)``, or ``(N,)`` for one chunk (``triton_kernels._chunks``)."""
+    mm = tl.arange(0, N) % MC
+    if C == 1:
+        return i0 + mm
+    else:
+        return i0 + tl.arange(0, C)[:, None] * MC + mm[None, :]
+
+
+@triton.jit
+def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr, CHECK: tl.constexpr):
     """Whether key/value rows ``rows`` of head ``bhk`` (``b * Hkv + hk``) hold a NaN or inf: bit ``BIT`` of their
-    flags (``flags_kernel``; 1 keys, 2 values).
+    flags (``flags_kernel``; 1 keys, 2 values); never, without reading them, unless ``CHECK`` (a head some row of
+    which is flagged: :func:`_any_flagged`).
 
     A row another query of the tile reads but this one does not still meets this one in a tile product
     (``0 * NaN`` = NaN), so a flagged row is loaded as zeros wherever it is a product's right-hand operand —
     values in the forward, keys in the query pass — and a query that does read a flagged value row is given
     NaN explicitly. Scores need nothing: a masked one is selected away, not multiplied."""
-    return (tl.load(FLAGS + bhk * T + rows, mask=ok, other=0) & BIT) != 0
+    if CHECK:
+        return (tl.load(FLAGS + bhk * (T + 1) + rows, mask=ok, other=0) & BIT) != 0
+    else:
+        return tl.zeros(rows.shape, tl.int1)
+
+
+@triton.jit
+def _any_flagged(FLAGS, bhk, T):
+    """Whether any key or value row of head ``bhk`` holds a NaN or inf (``flags_kernel``'s summary): the kernels
+    take their checked loops (``CHECK``) only then, and without it skip the per-row flags' reads and tests."""
+    return tl.load(FLAGS + bhk * (T + 1) + T) != 0
 
 
 @triton.jit
@@ -77,19 +112,23 @@ def _mac_p(acc, p, x, IN: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dot_t(a, b, IN: tl.constexpr, DOT: tl.constexpr):
-    """``a · bᵀ``."""
-    return _dot(a, tl.trans(b), IN, DOT)
+    """``a · bᵀ`` (per chunk for 3-D blocks)."""
+    if len(b.shape) == 3:
+        return _dot(a, tl.permute(b, (0, 2, 1)), IN, DOT)
+    else:
+        return _dot(a, tl.trans(b), IN, DOT)
 
 
 @triton.jit
 def _softmax_step(m_i, l_i, acc, s):
-    """One online-softmax update with the ``(rows, N)`` block ``s`` (base 2, -inf where masked):
-    the new max and sum, the rescaled accumulator and the block's probabilities."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    """One online-softmax update with the ``(rows, N)`` block ``s`` (``(chunks, rows, N)``; base 2, -inf where
+    masked): the new max and sum, the rescaled accumulator and the block's probabilities."""
+    ax: tl.constexpr = len(s.shape) - 1
+    m_new = tl.maximum(m_i, tl.max(s, axis=ax))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     corr = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    return m_new, l_i * corr + tl.sum(p, axis=1), acc * corr[:, None], p
+    p = tl.exp2(s - _last(m_use))
+    return m_new, l_i * corr + tl.sum(p, axis=ax), acc * _last(corr), p
 
 
 @triton.jit
@@ -105,43 +144,44 @@ def _per_rung(X, r0, nr, other, DT: tl.constexpr, RB: tl.constexpr, COLS: tl.con
 
 
 @triton.jit
-def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, oc,
+def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, offs_d, in_d, OFF, b,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, RB: tl.constexpr,
-               BLOCK_M: tl.constexpr, FWD: tl.constexpr):
-    """Rungs ``[r0, r0 + RB)`` as one gathered block of ``RB·M`` key rows: column ``n`` is rung
-    ``r0 + n // M`` at tile row ``mm = n % M``. Returns the first tap's keys and values, the
-    second tap's (two-tap; else the first's again), the taps' weights per column, ``mm``,
-    whether the column exists and whether a row it reads is flagged (:func:`_tap`; ``FWD``: the
-    forward). Interpolation is applied to scores and probabilities, not to
-    the rows, so that the products take the inputs' own rows, exact in half precision.
-    ``HAS_DOCS``: ``oc`` is each column's row's offset in its document; a key before the
-    document start does not exist, and the second tap is clamped at that start."""
-    n = tl.arange(0, RB * BLOCK_M)
-    mm = n % BLOCK_M
-    lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RB, BLOCK_M)
-    kr = i0 + mm - lo
+               MC: tl.constexpr, C: tl.constexpr, FWD: tl.constexpr, CHECK: tl.constexpr):
+    """Rungs ``[r0, r0 + RB)`` as ``C`` gathered blocks of ``RB·MC`` key rows, one per chunk of ``MC`` tile
+    positions (``triton_kernels``' rung chunks): column ``n`` of chunk ``c`` is rung ``r0 + n // MC`` at tile row
+    ``c·MC + n % MC``. Returns the first tap's keys and values ``(C, RB·MC, Dh)`` (one chunk: ``(RB·MC, Dh)``), the
+    second tap's (two-tap; else the first's again), the taps' weights per column, whether a column exists and
+    whether a row it reads is flagged (``(C, RB·MC)``; :func:`_tap`; ``FWD``: the forward).
+    Interpolation is applied to scores and probabilities, not to the rows, so that the products take the inputs'
+    own rows, exact in half precision. ``HAS_DOCS``: with each column's row's offset in its document (``OFF``,
+    read here, not held across the loop: a register less), a key before the document start does not exist, and
+    the second tap is clamped at that start."""
+    lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RB, MC)
+    cols = _chunk_cols(i0, MC, C, RB * MC)
+    kr = cols - lo
     ok = (kr >= 0) & (kr < T)
+    oc = _doc_off(OFF, b, T, cols, HAS_DOCS)
     if HAS_DOCS:
         ok = ok & (oc >= lo)
-    k1, v1, bad = _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD)
+    k1, v1, bad = _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD, CHECK)
     if TWO_TAP:
         if HAS_DOCS:
             kr2 = kr - (oc > lo).to(tl.int32)
         else:
             kr2 = tl.maximum(kr - 1, 0)
-        k2, v2, bad2 = _tap(kb, vb, FLAGS, bhk, T, kr2, skt, svt, offs_d, ok, in_d, FWD)
-        wlo = _per_rung(RWLO, r0, nr, 1.0, ACC, RB, BLOCK_M)
-        whi = _per_rung(RWHI, r0, nr, 0.0, ACC, RB, BLOCK_M)
-        return k1, v1, k2, v2, wlo, whi, mm, ok, bad | bad2
+        k2, v2, bad2 = _tap(kb, vb, FLAGS, bhk, T, kr2, skt, svt, offs_d, ok, in_d, FWD, CHECK)
+        wlo = _per_rung(RWLO, r0, nr, 1.0, ACC, RB, MC)
+        whi = _per_rung(RWHI, r0, nr, 0.0, ACC, RB, MC)
+        return k1, v1, k2, v2, wlo, whi, ok, bad | bad2
     else:
-        return k1, v1, k1, v1, 1.0, 0.0, mm, ok, bad
+        return k1, v1, k1, v1, 1.0, 0.0, ok, bad
 
 
 @triton.jit
-def _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD: tl.constexpr):
+def _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD: tl.constexpr, CHECK: tl.constexpr):
     """One tap's key and value rows; a flagged value row (``FWD``, the forward) or key row (the query pass)
     comes in as zeros (:func:`_flagged`), and whether it was flagged."""
-    bad = _flagged(FLAGS, bhk, T, kr, ok, 2 if FWD else 1)
+    bad = _flagged(FLAGS, bhk, T, kr, ok, 2 if FWD else 1, CHECK)
     k = _rows(kb, kr * skt, offs_d, ok if FWD else ok & ~bad, in_d)
     v = _rows(vb, kr * svt, offs_d, ok & ~bad if FWD else ok, in_d)
     return k, v, bad
@@ -171,10 +211,3 @@ def _doc_off(OFF, b, T, i, HAS_DOCS: tl.constexpr):
         return tl.load(OFF + b * T + i, mask=i < T, other=0)
     else:
         return i
-
-
-@triton.jit
-def _tile_docs(OFF, b, T, i, i0, HAS_DOCS: tl.constexpr, RB: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A query tile's document offsets: per tile row (rows ``i``) and per rung-block column
-    (:func:`_rung_keys`' column ``n`` serves tile row ``n % M``)."""
-    return _doc_off(OFF, b, T, i, HAS_DOCS), _doc_off(OFF, b, T, i0 + tl.arange(0, RB * BLOCK_M) % BLOCK_M, HAS_DOCS)
