@@ -194,6 +194,18 @@ def test_either_candidate_of_each_choice(device, monkeypatch, chunk, rb):
         close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
 
 
+def test_a_group_of_eight_takes_the_rungs_in_chunks_of_two(device):
+    """Eight query heads a key/value head: 128-row tiles in eight chunks of 2 positions, 8 rungs a step (more slots
+    than rungs in use), both ops against the reference in fp64, T not a tile multiple."""
+    assert triton_config.config(8, 16, 3)["RUNGS"][0] == (2, 8)
+    q, k, v, dout = make(B=1, H=8, Hkv=1, T=41, Dh=16, dtype=torch.float64, seed=31, device=device)
+    a = torch.tensor(1.37, dtype=torch.float64, device=device)
+    close(run(interp(3, "fib:8", "triton"), q, k, v, dout, a), run(interp(3, "fib:8", "reference"), q, k, v, dout, a),
+          **FP64)
+    dists = attended_distances(3, 1.5, "fib:8", 41)
+    close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+
+
 # ----------------------------------------------------------------------------- choice and configuration
 def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     cuda = torch.device("cuda")

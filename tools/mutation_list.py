@@ -21,6 +21,8 @@ class Mutation:
 OPS = "src/fibattn/ops/"
 C = OPS + "cpu_kernels.c"
 TK = OPS + "triton_kernels.py"
+TF = OPS + "triton_forward.py"
+TB = OPS + "triton_backward.py"
 DEFS = "tests/test_ops_definitions.py"
 TRITON = "tests/test_ops_triton.py"
 BAND = (TRITON, "-k", "band_wider")
@@ -78,7 +80,7 @@ MUTATIONS = [
              "        const i64 o = h * T * D, oc = h * T * C, op = h * a->PH;\n"
              "        const REAL *qh = a->q + o, *gh_ = a->dout + o, *ph = a->P + op, *dsh",
              ("tests/test_ops.py", "-k", "cpu")),
-    Mutation("triton-dkdv-one-head", "GQA reduction", TK,
+    Mutation("triton-dkdv-one-head", "GQA reduction", TB,
              "    gm_ok = ((rq // BLOCK_M) % BLOCK_G) < GROUP\n", "    gm_ok = ((rq // BLOCK_M) % BLOCK_G) < 1\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),
     # ---------------------------------------------------------------- kernel offsets and bounds
@@ -209,11 +211,11 @@ MUTATIONS = [
              "            mix[c, where[lo]] += cols.wlo[c]\n            mix[c, where[lo + 1]] += cols.whi[c]\n",
              "            mix[c, where[lo]] += cols.whi[c]\n            mix[c, where[lo + 1]] += cols.wlo[c]\n",
              ("tests/test_ops.py", "-k", "interpolated and torch")),
-    Mutation("triton-last-row", "kernel bounds", TK,
+    Mutation("triton-last-row", "kernel bounds", OPS + "triton_tiles.py",
              "    return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T)\n",
              "    return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T - 1)\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32")),
-    Mutation("triton-clamped-tap-dropped", "kernel bounds", TK,
+    Mutation("triton-clamped-tap-dropped", "kernel bounds", TB,
              "wd = wlo + whi * (oq == lo).to(ACC)", "wd = wlo + 0.0 * (oq == lo).to(ACC)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
     # (the kernel's own store mask, `own`, is not mutated: a program writing its last row too races with the next
@@ -221,14 +223,14 @@ MUTATIONS = [
     Mutation("triton-key-pass-owns-its-last-row", "kernel tiles", OPS + "triton_config.py",
              "return block_m - 1 if two_tap else block_m", "return block_m",
              ("tests/test_ops_triton.py", "-k", "interpolated or tile")),
-    Mutation("triton-key-pass-band-edge", "kernel tiles", TK,
+    Mutation("triton-key-pass-band-edge", "kernel tiles", TB,
              "        ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]\n",
              "        ok = (d >= 0) & (d < WB) & ok_i[None, :] & k_ok[:, None]\n",
              ("tests/test_ops_triton.py", "-k", "integer_fp32 or tile")),
-    Mutation("triton-second-tap-weight", "kernel offsets", TK,
+    Mutation("triton-second-tap-weight", "kernel offsets", TF,
              "p * whi, v2, IN, DOT, SPLIT_P)", "p * wlo, v2, IN, DOT, SPLIT_P)",
              ("tests/test_ops_triton.py", "-k", "interpolated")),
-    Mutation("triton-dfrac-value-term", "kernel offsets", TK,
+    Mutation("triton-dfrac-value-term", "kernel offsets", TB,
              "ds * sd * sm_scale + p * dpd", "ds * sd * sm_scale",
              ("tests/test_ops_triton.py", "-k", "interpolated or finite")),
     # ---------------------------------------------------------------- precision
@@ -337,26 +339,26 @@ MUTATIONS = [
     Mutation("eval-targets-shifted", "coinciding consts", PPL,
              "    targets = arr[1:n + 1]\n", "    targets = arr[:n]\n", (EDGES, "-k", "scored_record")),
     # ---------------------------------------------------------------- 2. kernel tiles (Triton band blocks, rungs)
-    Mutation("triton-fwd-band-last-block", "kernel tiles", TK,
+    Mutation("triton-fwd-band-last-block", "kernel tiles", TF,
              "range(i0 - WB, i0 + BLOCK_M, BLOCK_N):        # the band",
              "range(i0 - WB, i0 + BLOCK_M - 1, BLOCK_N):        # the band", BAND),
-    Mutation("triton-dq-band-last-block", "kernel tiles", TK,
+    Mutation("triton-dq-band-last-block", "kernel tiles", TB,
              "range(i0 - WB, i0 + BLOCK_M, BLOCK_N):\n", "range(i0 - WB, i0 + BLOCK_M - 1, BLOCK_N):\n", BAND),
-    Mutation("triton-dkdv-band-last-block", "kernel tiles", TK,
+    Mutation("triton-dkdv-band-last-block", "kernel tiles", TB,
              "range(j0, j0 + BLOCK_M + WB, BLOCK_Q)", "range(j0, j0 + BLOCK_M + WB - 1, BLOCK_Q)", BAND),
-    Mutation("triton-dq-odd-rung-dropped", "kernel tiles", TK,
+    Mutation("triton-dq-odd-rung-dropped", "kernel tiles", TB,
              "    for r0 in range(0, nr, RB):\n", "    for r0 in range(0, nr - 1, RB):\n", BAND),
     Mutation("triton-product-drops-its-accumulator", "kernel tiles", OPS + "triton_tiles.py",
              'return tl.dot(a, b, acc, input_precision="ieee")', 'return tl.dot(a, b, input_precision="ieee")',
              (TRITON, "-k", "integer_fp32")),
-    Mutation("triton-key-pass-rungs-grouped-by-tile-row", "kernel offsets", TK,
+    Mutation("triton-key-pass-rungs-grouped-by-tile-row", "kernel offsets", TB,
              "tl.int32, RBK, BLOCK_G * BLOCK_M)", "tl.int32, RBK, BLOCK_M)", (TRITON, "-k", "either_candidate")),
     Mutation("triton-per-rung-value-of-the-wrong-rung", "kernel offsets", OPS + "triton_tiles.py",
              "tl.where(n // COLS == j,", "tl.where(n // COLS == j - 1,", (TRITON, "-k", "integer_fp32")),
     Mutation("triton-documents-forward-band-step-ignored", "kernel tiles", OPS + "triton_config.py",
              'if two_tap and docs else (dims["BLOCK_N"],)', 'if False else (dims["BLOCK_N"],)',
              (TRITON, "-k", "candidates_of_each_choice")),
-    Mutation("triton-rung-chunk-rows-misplaced", "kernel tiles", TK,
+    Mutation("triton-rung-chunk-rows-misplaced", "kernel tiles", OPS + "triton_tiles.py",
              "m = r // (BLOCK_G * MC) * MC + r % MC", "m = r // (BLOCK_G * MC) * MC", (TRITON, "-k", "integer_fp32")),
     Mutation("triton-rung-chunk-columns-misplaced", "kernel tiles", OPS + "triton_tiles.py",
              "return i0 + tl.arange(0, C)[:, None] * MC + mm[None, :]",
@@ -366,7 +368,7 @@ MUTATIONS = [
              "_CHECKED = (False, True)", "_CHECKED = (False,)", (ROPS, "-k", "non_finite and triton")),
     Mutation("triton-flag-summary-never-set", "kernel tiles", TK,
              "head, mask=head != 0)", "head, mask=head < 0)", (ROPS, "-k", "non_finite and triton")),
-    Mutation("triton-key-pass-clamped-second-tap-kept", "kernel tiles", TK,
+    Mutation("triton-key-pass-clamped-second-tap-kept", "kernel tiles", TB,
              "tl.where(two, whi * ds, 0.0)", "whi * ds", ("tests/test_ops_documents_triton.py", "-k", "interpolated")),
     Mutation("occupancy-cap-far-below", "kernel tiles", OPS + "triton_occupancy.py",
              "and cap * 9 >= registers * 8", "", ("tests/test_triton_occupancy.py", "-k", "next_cap")),

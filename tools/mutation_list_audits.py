@@ -5,7 +5,7 @@ occurs exactly once)."""
 from __future__ import annotations
 
 from mutation_list import (CP, CP_PLAN, DURABLE, EVAL_T, FAST, HALO, LM_EVAL, LM_EVAL_T, OPS, PPL, RANKS, ROPS,  # noqa: F401
-                           RUN_FOLDER, TK, Mutation)
+                           RUN_FOLDER, TF, Mutation)
 
 AUDITS = [
     # ---------------------------------------------------------------- hostile inputs (issue 58, kinds 1-5)
@@ -22,7 +22,7 @@ AUDITS = [
     Mutation("nan-torch-readers-not-poisoned", "non-finite isolation", OPS + "torch_backend.py",
              "    dk, dv = dk.masked_fill(hit, float(\"nan\")), dv.masked_fill(hit, float(\"nan\"))\n",
              "    dk, dv = dk, dv.masked_fill(hit, float(\"nan\"))\n", (ROPS, "-k", "non_finite and torch")),
-    Mutation("nan-triton-values-unmasked", "non-finite isolation", TK,
+    Mutation("nan-triton-values-unmasked", "non-finite isolation", TF,
              "        v = _rows(vb, kr * svt, offs_d, kok & ~vbad, in_d)\n",
              "        v = _rows(vb, kr * svt, offs_d, kok, in_d)\n", (ROPS, "-k", "non_finite and triton")),
     Mutation("nan-triton-unfinished-rows-kept", "non-finite isolation", OPS + "triton_tiles.py",

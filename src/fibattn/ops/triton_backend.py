@@ -243,7 +243,7 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
 
 
 # the forward and the query pass are launched twice: for the heads without a NaN or inf in their keys and values,
-# unchecked, then for the others, each row read checked (triton_kernels._any_flagged); a program leaves at once
+# unchecked, then for the others, each row read checked (triton_tiles._any_flagged); a program leaves at once
 # where its head is the other launch's. One kernel holding both would be compiled for the checked one's registers.
 _CHECKED = (False, True)
 

@@ -165,7 +165,7 @@ def _chosen(dims: dict, kernel, key, candidates: tuple, **flags) -> tuple:
     memo = dims.setdefault("chosen", {})
     name = (kernel.__name__, key, tuple(sorted(flags.items())))
     if name not in memo:
-        # the kernel launched for heads without a NaN / inf (CHECK: triton_kernels._any_flagged)
+        # the kernel launched for heads without a NaN / inf (CHECK: triton_tiles._any_flagged)
         check = {"CHECK": False} if "CHECK" in kernel.arg_names else {}
         consts = {**_args(kernel, dims), **check, **flags, **({} if flags["HAS_DOCS"] else {"OFF": None})}
         memo[name] = choose(kernel, key, candidates, consts)

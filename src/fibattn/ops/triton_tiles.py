@@ -34,7 +34,7 @@ def _mid(x):
 @triton.jit
 def _chunk_cols(i0, MC: tl.constexpr, C: tl.constexpr, N: tl.constexpr):
     """The tile position each of a rung block's ``N`` columns serves (column ``n`` of chunk ``c``: ``c·MC + n %
-    MC``): ``(C, N)``, or ``(N,)`` for one chunk (``triton_kernels._chunks``)."""
+    MC``): ``(C, N)``, or ``(N,)`` for one chunk (``_chunks``)."""
     mm = tl.arange(0, N) % MC
     if C == 1:
         return i0 + mm
@@ -211,3 +211,72 @@ def _doc_off(OFF, b, T, i, HAS_DOCS: tl.constexpr):
         return tl.load(OFF + b * T + i, mask=i < T, other=0)
     else:
         return i
+
+
+# ----------------------------------------------------------------------------- a program's tile
+@triton.jit
+def _scale(hi, lo, ACC: tl.constexpr):
+    """A scale passed as two float32 numbers (a Python float argument is typed float32): ``hi`` alone for float32
+    accumulation, ``hi + lo`` in float64 — the float64 scale to 2**-48 — for float64 inputs."""
+    if ACC == tl.float64:
+        return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+    else:
+        return hi
+
+
+@triton.jit
+def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, MC: tl.constexpr):
+    """This program's batch ``b``, key/value head ``hk``, first row ``i0``, and per tile row
+    ``r``: its position in the tile ``m``, its query head ``h`` and whether it exists. Rows go
+    chunk by chunk (the rung chunks: ``r = c·G·MC + g·MC + mc`` is head ``g`` at ``m = c·MC + mc``), so that
+    the ``(G·M, ·)`` band blocks reshape to ``(C, G·MC, ·)`` rung blocks as they are."""
+    b = (tl.program_id(1) // HKV).to(tl.int64)      # int64 offsets: B * H * T * Dh may exceed 2**31
+    hk = tl.program_id(1) % HKV
+    i0 = tl.program_id(0) * BLOCK_M
+    r = tl.arange(0, BLOCK_G * BLOCK_M)
+    g = (r // MC) % BLOCK_G
+    m = r // (BLOCK_G * MC) * MC + r % MC
+    return b, hk, i0, m, hk * GROUP + g, (g < GROUP) & (i0 + m < T)
+
+
+@triton.jit
+def _chunks(x, C: tl.constexpr, GMC: tl.constexpr):
+    """A per-tile-row block ``(G·M, ...)`` as ``(C, G·MC, ...)`` chunks (:func:`_tile`'s row order); one chunk
+    stays as it is (the rung steps take either rank)."""
+    if C == 1:
+        return x
+    elif len(x.shape) == 2:
+        return tl.reshape(x, [C, GMC, x.shape[1]])
+    else:
+        return tl.reshape(x, [C, GMC])
+
+
+@triton.jit
+def _any(x):
+    """Whether any element of a 1- or 2-D block is nonzero."""
+    if len(x.shape) == 2:
+        return tl.max(tl.max(x.to(tl.int32), axis=1), axis=0) > 0
+    else:
+        return tl.max(x.to(tl.int32), axis=0) > 0
+
+
+@triton.jit
+def _per_rung_sum(x, RB: tl.constexpr, MC: tl.constexpr):
+    """A rung block's ``(..., rows, RB·MC)`` values summed per rung: its one entry a row and rung (the rest are 0,
+    off the block diagonal)."""
+    if len(x.shape) == 3:
+        return tl.sum(tl.reshape(x, [x.shape[0], x.shape[1], RB, MC]), axis=3)
+    else:
+        return tl.sum(tl.reshape(x, [x.shape[0], RB, MC]), axis=2)
+
+
+@triton.jit
+def _chunk_rows(h0, i0, T, GROUP, BLOCK_G: tl.constexpr, MC: tl.constexpr, C: tl.constexpr):
+    """:func:`_tile`'s query head, position and existence of each row, as ``(C, G·MC)`` chunks (:func:`_chunks`)."""
+    r = tl.arange(0, BLOCK_G * MC)
+    g = r // MC
+    if C == 1:
+        i = i0 + r % MC
+    else:
+        i = i0 + tl.arange(0, C)[:, None] * MC + (r % MC)[None, :]
+    return h0 + g, i, (g < GROUP) & (i < T)
