@@ -23,8 +23,8 @@ remaining steps are skipped and say so):
    cpu kernels' other vector width, which no CPU-only session has measured): ``fibattn bench
    attention --device cpu`` on 2 threads (fp32, B=1, H=8, Dh=64; T = 4K, 16K): the share of the
    matmul peak, interpolated ÷ integer, grouped heads;
-7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` (and the two-tap query pass's other
-   candidate, one pipeline stage) at T=16384;
+7. a sweep of ``FIBATTN_TRITON_BLOCK_M`` / ``FIBATTN_TRITON_WARPS`` (and the rungs in one chunk of the tile, at
+   two rungs a step and at one, and one pipeline stage) at T=16384;
 8. ``tools/gpu_static.py --json``: the static H200 model's estimate (compiled code, no device)
    next to the measured forward + backward times, as measured ÷ estimated per length;
 9. what limits the integer op's memory traffic at 64K (issue 56 item 3): its time with one stage left out —

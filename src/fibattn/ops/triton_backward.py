@@ -112,9 +112,9 @@ def _dq_rungs(dq, q, do, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, RN, PR
     mm = tl.arange(0, RB * MC) % MC
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):
-        k1, v1, k2, v2, wlo, whi, kok, _ = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt,
-                                                          svt, offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC, RB, MC, C,
-                                                          False, CHECK)
+        k1, v1, k2, v2, wlo, whi, kok, _ = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt,
+                                                      offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC, RB, MC, C, False,
+                                                      CHECK)
         ok = (mc[:, None] == mm[None, :]) & _mid(kok) & _last(rok)
         s1 = _dot_t(q, k1, IN, DOT).to(ACC)
         dp1 = _dot_t(do, v1, IN, DOT).to(ACC)
@@ -128,7 +128,7 @@ def _dq_rungs(dq, q, do, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, RN, PR
             dpd = _dot_t(do, v2, IN, DOT).to(ACC) - dp1
             ds = tl.where(ok, p * (dp1 + whi * dpd - _last(delta)), 0.0)
             dq = _mac(_mac(dq, ds * wlo, k1, IN, DOT), ds * whi, k2, IN, DOT)
-            # (after the products: before them, 238 registers where after, 178)
+            # d frac's sums after the products: before them the chunks held 238 registers, after 178
             if NEED_DFRAC:      # d s / d frac = scale q.(k2 - k1), d out / d frac = p (v2 - v1); summed on the host
                 # 0 off the block diagonal; unchecked, a non-finite sd or dpd can only be a row's own (its q or dout)
                 part = ds * sd * sm_scale + p * dpd

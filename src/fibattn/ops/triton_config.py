@@ -76,8 +76,9 @@ def config(group: int, head_dim: int, window: int) -> dict:
     bq = _env_tile("FIBATTN_TRITON_BLOCK_Q", min(bn, max(16, 64 // bg)))
     warps = _env_int("FIBATTN_TRITON_WARPS", 4 if bg * bm <= 64 else 8)
     # three choices trade instructions for registers, and the compiled code decides them (triton_occupancy): the
-    # rungs' chunks and step in the forward and the query pass (chunks of 4 positions at 4 rungs a step: 30 %
-    # fewer instructions than one chunk at 2; two-tap, the query pass holds 238 registers so), the key pass's rungs
+    # rungs' chunks and step in the forward and the query pass (chunks of 4 positions at 4 rungs a step: 22 % fewer
+    # instructions than one chunk at 2 in the integer forward, 14 % in the query pass; two-tap, the query pass holds
+    # 178 registers so, 168 in one chunk), the key pass's rungs
     # a step (two: 8-16 % fewer, a block of 2·G·M gathered query rows) and the two-tap forward's band step with
     # documents (32 keys, or 16). Candidates in order of preference; a setting in the environment is the only one
     mc = rung_chunk(bg, bm)

@@ -33,11 +33,14 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, RB: tl.constexpr, MC: tl.constexpr, SPLIT_P: tl.constexpr,
                CHECK: tl.constexpr):
-    """By query tile: the output and ``lse``. Launched twice (:func:`_checked`): ``CHECK`` for the heads whose
-    keys or values hold a NaN or inf, each row read checked, and without for the others, nothing checked."""
+    """By query tile: the output and ``lse``. Launched twice (``triton_backend._CHECKED``): ``CHECK`` for the heads
+    whose keys or values hold a NaN or inf, each row read checked, and without for the others, nothing checked."""
     C: tl.constexpr = BLOCK_M // MC
     GMC: tl.constexpr = BLOCK_G * MC
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC)
+    bhk = b * HKV + hk
+    if _any_flagged(FLAGS, bhk, T) != CHECK:          # the other launch's head
+        return
     qk_scale = _scale(qk_scale, qk_lo, ACC)
     i = i0 + m
     offs_d = tl.arange(0, BLOCK_D)
@@ -46,9 +49,6 @@ def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
     orow = _doc_off(OFF, b, T, i, HAS_DOCS)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
-    bhk = b * HKV + hk
-    if _any_flagged(FLAGS, bhk, T) != CHECK:          # the other launch's head
-        return
     m_i = tl.full([BLOCK_G * BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_G * BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
@@ -108,9 +108,9 @@ def _fwd_rungs(m_i, l_i, acc, bad, q, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO,
     mm = tl.arange(0, RB * MC) % MC                           # each column's
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                               # the rungs, RB at a time
-        k1, v1, k2, v2, wlo, whi, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T,
-                                                             skt, svt, offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC,
-                                                             RB, MC, C, True, CHECK)
+        k1, v1, k2, v2, wlo, whi, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt,
+                                                         svt, offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC, RB, MC,
+                                                         C, True, CHECK)
         ok = (mc[:, None] == mm[None, :]) & _mid(kok)
         if CHECK:
             if _any(cbad):
