@@ -129,3 +129,37 @@ def test_resources_without_cuobjdump_come_from_the_loaded_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(FileNotFoundError, match="no /nonexistent/cuobjdump and no CUDA device"):
         occ.resources(Loaded())
+
+
+def test_a_failed_capped_compile_leaves_the_uncapped_choice(monkeypatch, caplog):
+    """A Triton that takes no register cap: the capped variant's compile fails, the uncapped candidates decide
+    (here the first, 172 registers against 180) and no warning says the choice fell back."""
+    def compile_kernel(fn, consts, dtype, head_dim, options, target):
+        if "maxnreg" in options:
+            raise TypeError("unexpected option maxnreg")
+        return {"RB": consts["RB"]}
+    monkeypatch.setattr(occ, "compile_kernel", compile_kernel)
+    monkeypatch.setattr(occ, "resources", lambda k: ({2: 172, 1: 180}[k["RB"]], 0))
+    occ._choose.cache_clear()
+    fn = triton_backend.kernels().bwd_dq_kernel
+    with caplog.at_level(logging.INFO, logger="fibattn"):
+        assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": True}, "bf16", 48, {"num_warps": 4}, target="t") == (2, {})
+    assert "no variant capped at 168 registers" in caplog.text and "not chosen by registers" not in caplog.text
+    occ._choose.cache_clear()
+
+
+def test_a_capped_variant_that_does_not_spill_is_taken(monkeypatch):
+    """The first candidate at 172 registers (2 programs of 4 warps per SM) compiles capped at 168 without spilling
+    (3): that variant is taken, with its cap, over a smaller step at 150; capped with a spill it is not."""
+    def compile_kernel(fn, consts, dtype, head_dim, options, target):
+        return (consts["RB"], options.get("maxnreg"))
+    fn = triton_backend.kernels().bwd_dq_kernel
+    for spill, want in ((0, (2, {"maxnreg": 168})), (16, (1, {}))):
+        table = {(2, None): (172, 0), (2, 168): (168, spill), (1, None): (150, 0)}
+        monkeypatch.setattr(occ, "compile_kernel", compile_kernel)
+        monkeypatch.setattr(occ, "resources", lambda k, table=table: table[k])
+        occ._choose.cache_clear()
+        assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": True}, "bf16", 48, {"num_warps": 4}, target="t") == want
+        assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": False}, "bf16", 48, {"num_warps": 4}, target="t",
+                          caps=False) == (1, {})
+    occ._choose.cache_clear()

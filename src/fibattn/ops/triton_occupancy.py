@@ -160,10 +160,9 @@ def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target, caps)
             regs, stack = compiled(c, {})
             variants.append((c, {}, regs, stack))
             cap = next_cap(regs, opts["num_warps"]) if caps and not stack else None
-            if cap is not None:
-                capped = compiled(c, {"maxnreg": cap})
-                if not capped[1]:      # a capped variant only where it does not spill
-                    variants.append((c, {"maxnreg": cap}, *capped))
+            capped = _capped(compiled, c, cap) if cap is not None else None
+            if capped is not None and not capped[1]:      # a capped variant only where it does not spill
+                variants.append((c, {"maxnreg": cap}, *capped))
     except Exception as exc:           # a tool or compile failing must not stop the op: take the first
         log.warning("fibattn: %s %s not chosen by registers (%s: %s); taking %s", fn.__name__, name,
                     type(exc).__name__, exc, candidates[0])
@@ -175,6 +174,16 @@ def _choose(fn, key, candidates, frozen, dtype, head_dim, options, target, caps)
              [v[0] if not v[1] else f"{v[0]} maxnreg={v[1]['maxnreg']}" for v in variants], regs, stack,
              opts["num_warps"], dtype)
     return chosen, extra
+
+
+def _capped(compiled, candidate, cap: int):
+    """``compiled(candidate, {"maxnreg": cap})``, or None where that compile fails (a Triton that takes no register
+    cap): the uncapped candidates still decide."""
+    try:
+        return compiled(candidate, {"maxnreg": cap})
+    except Exception as exc:
+        log.info("fibattn: no variant capped at %d registers (%s: %s)", cap, type(exc).__name__, exc)
+        return None
 
 
 @functools.lru_cache(maxsize=8)
