@@ -44,7 +44,8 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
     C: tl.constexpr = BLOCK_M // MC
     GMC: tl.constexpr = BLOCK_G * MC
     b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC)
-    if _any_flagged(FLAGS, b * HKV + hk, T) != CHECK:          # the other launch's head
+    bhk = b * HKV + hk
+    if _any_flagged(FLAGS, bhk, T) != CHECK:          # the other launch's head
         return
     qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     i = i0 + m
@@ -64,7 +65,6 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
     orow = _doc_off(OFF, b, T, i, HAS_DOCS)
     kb = K + b * skb + hk * skh
     vb = V + b * svb + hk * svh
-    bhk = b * HKV + hk
 
     dq = tl.zeros([BLOCK_G * BLOCK_M, BLOCK_D], ACC)
     dq = _dq_band(dq, q, do, i, i0, orow, kb, vb, FLAGS, bhk, T, WB, skt, svt, offs_d, in_d, qk_scale, lse, delta,

@@ -154,8 +154,8 @@ def _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt, off
     whether a row it reads is flagged (``(C, RB·MC)``; :func:`_tap`; ``FWD``: the forward).
     Interpolation is applied to scores and probabilities, not to the rows, so that the products take the inputs'
     own rows, exact in half precision. ``HAS_DOCS``: with each column's row's offset in its document (``OFF``,
-    read here, not held across the loop: a register less), a key before the document start does not exist, and
-    the second tap is clamped at that start."""
+    read here each step), a key before the document start does not exist, and the second tap is clamped at that
+    start."""
     lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RB, MC)
     cols = _chunk_cols(i0, MC, C, RB * MC)
     kr = cols - lo
