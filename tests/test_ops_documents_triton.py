@@ -100,3 +100,13 @@ def test_single_row_of_one(device):
     """T = 1: one document of one token, with and without ``off``."""
     q, k, v, dout = make(B=1, H=2, Hkv=1, T=1, Dh=8, seed=6, device=device)
     check(q, k, v, dout, ColumnSpec(None, 2, FIB), torch.tensor(1.37, device=device), [[1]], **FP32)
+
+
+def test_int64_indexing_with_documents(device, monkeypatch):
+    """``WIDE`` (int64 offsets, ``triton_backend.wide``) forced on: each row's document offsets read at ``b·T + i``
+    in int64, both ops, the second row's batch offset included."""
+    monkeypatch.setattr(triton_backend, "wide", lambda tensors, elements=0: True)
+    q, k, v, dout = make(B=2, H=2, Hkv=1, T=37, Dh=16, seed=7, device=device)
+    check(q, k, v, dout, ColumnSpec((0, 1, 2, 5, 8, 13)), None, SPLITS[:2], **FP32)
+    check(q, k, v, dout, ColumnSpec(None, 2, FIB), torch.tensor(1.37, device=device), SPLITS[2:],
+          rtol=1e-4, atol=1e-4)

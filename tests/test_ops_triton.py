@@ -206,6 +206,31 @@ def test_a_group_of_eight_takes_the_rungs_in_chunks_of_two(device):
     close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
 
 
+def test_int64_indexing_matches_the_reference(device, monkeypatch):
+    """``WIDE`` (``triton_backend.wide``: tensors whose offsets may reach 2**31) indexes in int64; forced here on
+    small tensors: non-contiguous, two batches, a group of two, both ops, against the reference (documents:
+    ``test_ops_documents_triton``)."""
+    monkeypatch.setattr(triton_backend, "wide", lambda tensors, elements=0: True)
+    q, k, v, dout = make(B=2, H=4, Hkv=2, T=45, Dh=16, dtype=torch.float64, noncontig=True, seed=41, device=device)
+    a = torch.tensor(1.37, dtype=torch.float64, device=device)
+    close(run(interp(3, "fib:8", "triton"), q, k, v, dout, a), run(interp(3, "fib:8", "reference"), q, k, v, dout, a),
+          **FP64)
+    dists = attended_distances(3, 1.5, "fib:8", 45)
+    close(run(sparse(dists, "triton"), q, k, v, dout), run(sparse(dists, "reference"), q, k, v, dout), **FP64)
+
+
+def test_int64_indexing_is_chosen_by_the_reach_of_offsets():
+    """int32 offsets while every element offset of the tensors, and every index into the per-row buffers, stays
+    below 2**31 (strides count, not sizes); int64 from there."""
+    def meta(shape, stride=None):
+        return torch.empty_strided(shape, stride or torch.empty(shape, device="meta").stride(), device="meta")
+    assert not triton_backend.wide([meta((1, 32, 2 ** 20 - 1, 64))])
+    assert triton_backend.wide([meta((1, 32, 2 ** 20, 64))])                           # reach exactly 2**31
+    assert triton_backend.wide([meta((2, 4, 16, 64)), meta((2, 4, 16, 64), (2 ** 31, 64, 256, 1))])
+    assert not triton_backend.wide([meta((2, 4, 16, 64))], 2 ** 31 - 1)
+    assert triton_backend.wide([meta((2, 4, 16, 64))], 2 ** 31)
+
+
 # ----------------------------------------------------------------------------- choice and configuration
 def test_auto_prefers_triton_on_cuda_and_says_why_not(monkeypatch):
     cuda = torch.device("cuda")

@@ -167,19 +167,27 @@ def aux_like(q, spec):
     return q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
-def _launch(q, hkv, wb, trace: bool = False):
+def wide(tensors, elements: int = 0) -> bool:
+    """Whether the kernels index in int64 (``WIDE``, ``triton_tiles._program``): some element offset of one of
+    ``tensors`` (its strides' reach), or an index into a buffer of ``elements``, may reach 2**31. An offset past
+    it in a masked lane (a rung slot not in use, a row past ``T``) is never dereferenced."""
+    reach = max([sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1 for x in tensors] + [elements])
+    return bool(reach >= 2 ** 31)
+
+
+def _launch(q, hkv, wb, trace: bool = False, wide: bool = False):
     """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows: worked out once per shape and
     setting when eager (the host's time per call is the op's cost below ~16K; the settings are read each
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
     key = tuple(env.get(k) for k in SETTINGS + ("TRITON_INTERPRET",))
     if trace:                     # symbolic sizes: nothing to cache
-        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, q.device, True)
-    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key, q.device)
+        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, q.device, wide, True)
+    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key, q.device, wide)
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, trace: bool = False):
+def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, wide: bool = False, trace: bool = False):
     B, H, T, D = shape
     cfg = config(H // hkv, D, max(wb, 0))
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
@@ -188,7 +196,8 @@ def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, trace: bool
         opts["maxnreg"] = cap       # a traced launch leaves it out: the compiler's wrapper would pass it as an argument
     # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
     dot = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
-    dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), **cfg)
+    # the head dim a constexpr: at a power of two the head-dim masks fold away
+    dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), DH=D, WIDE=wide, **cfg)
     target = _target(device)
     if target is not None:
         from . import triton_occupancy
@@ -210,13 +219,13 @@ def _target(device):
     return triton_occupancy.device_target(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def _row_flags(k, v, trace: bool) -> torch.Tensor:
+def _row_flags(k, v, trace: bool, wide: bool) -> torch.Tensor:
     """``(B, Hkv, T + 1)`` int32: which key (bit 0) and value (bit 1) rows hold a NaN or inf, and at ``T`` whether
     any of the head's does (``flags_kernel``)."""
     B, hkv, T, D = k.shape
     flags = torch.zeros(B, hkv, T + 1, dtype=torch.int32, device=k.device)
     _launcher(kernels().flags_kernel, trace)[(triton_cdiv(T, 64), B * hkv)](
-        k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16))
+        k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16), WIDE=wide)
     return flags
 
 
@@ -230,12 +239,13 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     rlo, rwlo, rwhi, _, rn = rungs
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
-    grid, dims, opts = _launch(q, hkv, wb, trace)
+    big = wide((q, k, v, out), B * H * (T + 1))
+    grid, dims, opts = _launch(q, hkv, wb, trace, big)
     tiles, cap = _options(forward_tiles(dims, two, off is not None))
-    flags = _row_flags(k, v, trace)
+    flags = _row_flags(k, v, trace, big)
     for check in _CHECKED:
         _launcher(kernels().fwd_kernel, trace)[grid](q, k, v, out, lse, flags, rlo, rwlo, rwhi, rn, off, *_s3(q),
-                                                     *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv, D,
+                                                     *_s3(k), *_s3(v), *_s3(out), T, wb, hkv, H, H // hkv,
                                                      *split(scale * LOG2E), TWO_TAP=two, HAS_DOCS=off is not None,
                                                      CHECK=check, **_args(kernels().fwd_kernel, {**dims, **tiles}),
                                                      **opts, **cap)
@@ -255,8 +265,10 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     trace = traced(q)
     rungs, R, wb, two = _columns(spec, alpha, T, q.device, trace)
     rlo, rwlo, rwhi, rbase, rn = rungs
-    grid, dims, opts = _launch(q, hkv, wb, trace)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    # the rungs' stored values are indexed (row, head, rung slot): B * H * T * R
+    big = wide((q, k, v, out, dout, dq, dk, dv), B * H * (T + 1) * max(R, 1))
+    grid, dims, opts = _launch(q, hkv, wb, trace, big)
     delta = aux_like(q, spec)
     # the rungs' P and dS per (row, head, rung), written by the query pass, read by the key pass
     n = max(B * H * T * R, 1)
@@ -267,13 +279,13 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     dfrac = torch.zeros(n, dtype=delta.dtype, device=q.device) if need else delta.new_empty(1)
     kern = kernels()
     docs = off is not None
-    flags = _row_flags(k, v, trace)
+    flags = _row_flags(k, v, trace, big)
     rungs_dq, dq_cap = _options(query_pass_rungs(dims, two, docs, need))
     dq_dims = _args(kern.bwd_dq_kernel, {**dims, **rungs_dq})
     for check in _CHECKED:
         _launcher(kern.bwd_dq_kernel, trace)[grid](q, k, v, out, dout, lse, delta, dq, pr, dsr, dfrac, flags, rlo,
                                                    rwlo, rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(out),
-                                                   *_s3(dout), *_s3(dq), T, R, wb, hkv, H, H // hkv, D,
+                                                   *_s3(dout), *_s3(dq), T, R, wb, hkv, H, H // hkv,
                                                    *split(scale * LOG2E), *split(scale), TWO_TAP=two, NEED_DFRAC=need,
                                                    HAS_DOCS=docs, CHECK=check, **dq_dims, **opts, **dq_cap)
     keys = key_pass_rows(dims["BLOCK_M"], two)
@@ -281,7 +293,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     key_grid = (triton_cdiv(T, keys), grid[1])
     _launcher(kern.bwd_dkdv_kernel, trace)[key_grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
                                                      off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                                                     T, R, wb, hkv, H, H // hkv, D, *split(scale * LOG2E),
+                                                     T, R, wb, hkv, H, H // hkv, *split(scale * LOG2E),
                                                      *split(scale), TWO_TAP=two, HAS_DOCS=docs, KEYS=keys,
                                                      **rbk, **_args(kern.bwd_dkdv_kernel, dims), **opts, **key_cap)
     da = None

@@ -21,6 +21,7 @@ from .triton_tiles import (
     _mid,
     _per_rung,
     _per_rung_sum,
+    _program,
     _rows,
     _rung_keys,
     _scale,
@@ -33,17 +34,18 @@ from .triton_tiles import (
 @triton.jit(do_not_specialize=["T", "R", "WB"])
 def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, sdb, sdh, sdt,
-                  sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
+                  sdqb, sdqh, sdqt, T, R, WB, HKV, H, GROUP, qk_scale, qk_lo, sm_scale, sm_lo,
                   TWO_TAP: tl.constexpr, NEED_DFRAC: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr,
                   IN: tl.constexpr, DOT: tl.constexpr,
                   BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, RB: tl.constexpr, MC: tl.constexpr, CHECK: tl.constexpr):
+                  BLOCK_N: tl.constexpr, RB: tl.constexpr, MC: tl.constexpr, CHECK: tl.constexpr, DH: tl.constexpr,
+                  WIDE: tl.constexpr):
     """By query tile: ``delta = rowsum(dout * out)`` (stored for the key pass), ``dq``, the
     rungs' ``P`` and ``dS`` per (row, head, rung), and the per-program sums of d loss / d frac. Launched twice,
     ``CHECK`` as the forward's."""
     C: tl.constexpr = BLOCK_M // MC
     GMC: tl.constexpr = BLOCK_G * MC
-    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC)
+    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC, WIDE)
     bhk = b * HKV + hk
     if _any_flagged(FLAGS, bhk, T) != CHECK:          # the other launch's head
         return
@@ -156,10 +158,11 @@ def _taps(diag, sup, on_diag, on_sup):
 def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN, OFF,
                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                    T, R, WB, HKV, H, GROUP, DH, qk_scale, qk_lo, sm_scale, sm_lo,
+                    T, R, WB, HKV, H, GROUP, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, SPLIT_P: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, SPLIT_P: tl.constexpr,
+                    DH: tl.constexpr, WIDE: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -168,9 +171,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     next program, whose first row it is, writes it.
     ``HAS_DOCS``: the same, with each query row's own document offset ``off[i]`` in place of ``i``
     (a query at offset ``lo`` clamps its second tap onto its first)."""
-    b = (tl.program_id(1) // HKV).to(tl.int64)
-    hk = tl.program_id(1) % HKV
-    j0 = tl.program_id(0) * KEYS
+    b, hk, j0 = _program(HKV, KEYS, WIDE)
     qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH

@@ -28,16 +28,16 @@ from .triton_tiles import (
 @triton.jit(do_not_specialize=["T", "WB"])
 def fwd_kernel(Q, K, V, OUT, LSE, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-               T, WB, HKV, H, GROUP, DH, qk_scale, qk_lo,
+               T, WB, HKV, H, GROUP, qk_scale, qk_lo,
                TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr, DOT: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, RB: tl.constexpr, MC: tl.constexpr, SPLIT_P: tl.constexpr,
-               CHECK: tl.constexpr):
+               CHECK: tl.constexpr, DH: tl.constexpr, WIDE: tl.constexpr):
     """By query tile: the output and ``lse``. Launched twice (``triton_backend._CHECKED``): ``CHECK`` for the heads
     whose keys or values hold a NaN or inf, each row read checked, and without for the others, nothing checked."""
     C: tl.constexpr = BLOCK_M // MC
     GMC: tl.constexpr = BLOCK_G * MC
-    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC)
+    b, hk, i0, m, h, row_ok = _tile(T, HKV, GROUP, BLOCK_G, BLOCK_M, MC, WIDE)
     bhk = b * HKV + hk
     if _any_flagged(FLAGS, bhk, T) != CHECK:          # the other launch's head
         return

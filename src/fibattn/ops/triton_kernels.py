@@ -64,7 +64,7 @@ import triton.language as tl
 
 from .triton_backward import bwd_dkdv_kernel, bwd_dq_kernel
 from .triton_forward import fwd_kernel
-from .triton_tiles import _NEVER, NEVER, _rows
+from .triton_tiles import _NEVER, NEVER, _program, _rows
 
 __all__ = ["NEVER", "plan_kernel", "flags_kernel", "fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
 
@@ -103,21 +103,21 @@ def plan_kernel(ALPHA, BASE, RLO, RWLO, RWHI, RBASE, RN, K, CAP, W: tl.constexpr
 
 @triton.jit
 def flags_kernel(K, V, FLAGS, skb, skh, skt, svb, svh, svt, T, HKV, DH, BLOCK_R: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
+                 BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
     """``FLAGS[b, hk, t]`` (int32, ``T + 1`` a head): bit 0 when key row ``(b, hk, t)`` holds a NaN or inf, bit 1
     when its value row does (``_flagged``), and at ``t = T`` the OR of the head's rows: one read of K and V, so
     that the attention kernels test a flag per row, not each element, a non-finite value reaches only the queries
     that attend it, and a head without one is read without any test (``_any_flagged``)."""
-    b = tl.program_id(1) // HKV
-    hk = tl.program_id(1) % HKV
-    t = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    b, hk, t0 = _program(HKV, BLOCK_R, WIDE)
+    t = t0 + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     ok = t < T
-    k = _rows(K + b.to(tl.int64) * skb + hk * skh, t * skt, offs_d, ok, offs_d < DH)
-    v = _rows(V + b.to(tl.int64) * svb + hk * svh, t * svt, offs_d, ok, offs_d < DH)
+    k = _rows(K + b * skb + hk * skh, t * skt, offs_d, ok, offs_d < DH)
+    v = _rows(V + b * svb + hk * svh, t * svt, offs_d, ok, offs_d < DH)
     kbad = tl.max(tl.where(tl.abs(k.to(tl.float32)) < float("inf"), 0, 1), axis=1)
     vbad = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 2), axis=1)
-    tl.store(FLAGS + tl.program_id(1) * (T + 1) + t, kbad | vbad, mask=ok)
+    flags = FLAGS + (b * HKV + hk) * (T + 1)
+    tl.store(flags + t, kbad | vbad, mask=ok)
     # the head's summary (after its T rows, zeroed by the host): an OR, the same whichever program comes first
     head = tl.max(kbad | vbad, axis=0)
-    tl.atomic_or(FLAGS + tl.program_id(1) * (T + 1) + T, head, mask=head != 0)
+    tl.atomic_or(flags + T, head, mask=head != 0)

@@ -31,7 +31,7 @@ def static_kernels(group: int, head_dim: int, window: int, n_rungs: int, two_tap
     el = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
     tdt = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype]
     # the tile choices as a launch on an sm_90 device makes them (triton_config._chosen)
-    dims = dict(ACC=tl.float32, IN=tdt, DOT=tdt, **cfg,
+    dims = dict(ACC=tl.float32, IN=tdt, DOT=tdt, DH=head_dim, WIDE=False, **cfg,
                 choose=functools.partial(triton_occupancy.choose, dtype=dtype, head_dim=head_dim, options=opts,
                                          target=GPUTarget(*SM90)))
     M, BN, D = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_D"]

@@ -225,14 +225,27 @@ def _scale(hi, lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, MC: tl.constexpr):
-    """This program's batch ``b``, key/value head ``hk``, first row ``i0``, and per tile row
+def _program(HKV, ROWS, WIDE: tl.constexpr):
+    """This program's batch ``b``, key/value head ``hk`` and first row (``ROWS`` rows a program), as int64 when
+    ``WIDE`` (``triton_backend.wide``: an element offset or a row index of some tensor may reach 2**31), so that
+    every offset computed from them is; int32 otherwise, where the 64-bit address arithmetic cost the kernels up
+    to 16 % of their instructions."""
+    b = tl.program_id(1) // HKV
+    hk = tl.program_id(1) % HKV
+    r0 = tl.program_id(0) * ROWS
+    if WIDE:
+        return b.to(tl.int64), hk.to(tl.int64), r0.to(tl.int64)
+    else:
+        return b, hk, r0
+
+
+@triton.jit
+def _tile(T, HKV, GROUP, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, MC: tl.constexpr, WIDE: tl.constexpr):
+    """This program's batch ``b``, key/value head ``hk``, first row ``i0`` (:func:`_program`), and per tile row
     ``r``: its position in the tile ``m``, its query head ``h`` and whether it exists. Rows go
     chunk by chunk (the rung chunks: ``r = c·G·MC + g·MC + mc`` is head ``g`` at ``m = c·MC + mc``), so that
     the ``(G·M, ·)`` band blocks reshape to ``(C, G·MC, ·)`` rung blocks as they are."""
-    b = (tl.program_id(1) // HKV).to(tl.int64)      # int64 offsets: B * H * T * Dh may exceed 2**31
-    hk = tl.program_id(1) % HKV
-    i0 = tl.program_id(0) * BLOCK_M
+    b, hk, i0 = _program(HKV, BLOCK_M, WIDE)
     r = tl.arange(0, BLOCK_G * BLOCK_M)
     g = (r // MC) % BLOCK_G
     m = r // (BLOCK_G * MC) * MC + r % MC
