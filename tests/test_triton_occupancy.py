@@ -1,5 +1,6 @@
 """Tile choices made by the compiled code (``fibattn.ops.triton_occupancy``, issue 56): the occupancy rule, the
-choice's fallbacks, and one real offline compile for sm_90 with Triton's own ptxas (no device needed)."""
+choice's fallbacks, the int64 indexing rule as compiled, and one real offline compile for sm_90 with Triton's own ptxas
+(no device needed)."""
 import json
 import logging
 import os
@@ -163,3 +164,28 @@ def test_a_capped_variant_that_does_not_spill_is_taken(monkeypatch):
         assert occ.choose(fn, "RB", (2, 1), {"TWO_TAP": False}, "bf16", 48, {"num_warps": 4}, target="t",
                           caps=False) == (1, {})
     occ._choose.cache_clear()
+
+
+_WIDE_IR = """
+from triton.backends.compiler import GPUTarget
+from fibattn.ops import triton_occupancy as occ, triton_static as t
+from fibattn.ops.triton_config import kernels
+fn = kernels().flags_kernel
+for wide in (False, True):
+    consts = dict(BLOCK_R=64, BLOCK_D=64, WIDE=wide)
+    sig = {a: "constexpr" if a in consts else {"K": "*bf16", "V": "*bf16", "FLAGS": "*i32"}.get(a, "i32")
+           for a in fn.arg_names}
+    print(occ.compile_source(fn, sig, consts, None, {"num_warps": 4}, GPUTarget(*t.SM90)).asm["ttir"].count("i64"))
+"""
+
+
+def test_wide_indexes_in_int64_and_only_then():
+    """``WIDE`` (``triton_tiles._program``) as compiled, outside the interpreter: the program's batch, head and rows
+    are extended to int64 and every offset from them is; without it the kernel holds no int64 value at all (the
+    forced-WIDE tests against the reference cannot tell int32 from int64 on small tensors)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _WIDE_IR], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    narrow, wide = (int(x) for x in res.stdout.split())
+    assert narrow == 0 and wide > 0

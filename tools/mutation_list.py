@@ -384,6 +384,11 @@ MUTATIONS = [
     Mutation("occupancy-no-warp-limit", "kernel tiles", OPS + "triton_occupancy.py",
              "MAX_PROGRAMS_PER_SM,\n                   MAX_WARPS_PER_SM // num_warps)",
              "MAX_PROGRAMS_PER_SM)", ("tests/test_triton_occupancy.py", "-k", "resident")),
+    Mutation("triton-wide-never-int64", "kernel offsets", OPS + "triton_tiles.py",
+             "        return b.to(tl.int64), hk.to(tl.int64), r0.to(tl.int64)\n", "        return b, hk, r0\n",
+             ("tests/test_triton_occupancy.py", "-k", "wide")),
+    Mutation("triton-wide-past-2-32", "kernel offsets", OPS + "triton_backend.py",
+             "return bool(reach >= 2 ** 31)", "return bool(reach >= 2 ** 32)", (TRITON, "-k", "int64")),
     # ---------------------------------------------------------------- 3. records compared only with themselves
     Mutation("eval-sha-of-native-dtype", "self-compared", PPL,
              "hashlib.sha256(targets.astype(np.int64).tobytes())", "hashlib.sha256(targets.tobytes())",
