@@ -220,10 +220,11 @@ def _target(device):
 
 
 def _row_flags(k, v, trace: bool, wide: bool) -> torch.Tensor:
-    """``(B, Hkv, T + 1)`` int32: which key (bit 0) and value (bit 1) rows hold a NaN or inf, and at ``T`` whether
-    any of the head's does (``flags_kernel``)."""
+    """``(B, Hkv, T + 2)`` int32: which key (bit 0) and value (bit 1) rows hold a NaN or inf, at ``T`` whether
+    any of the head's does (``flags_kernel``), and at ``T + 1``, zero here, whether any of its query rows is
+    unfinished (set by the query pass, read by the key pass: ``triton_tiles._head_flags``)."""
     B, hkv, T, D = k.shape
-    flags = torch.zeros(B, hkv, T + 1, dtype=torch.int32, device=k.device)
+    flags = torch.zeros(B, hkv, T + 2, dtype=torch.int32, device=k.device)
     _launcher(kernels().flags_kernel, trace)[(triton_cdiv(T, 64), B * hkv)](
         k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16), WIDE=wide)
     return flags
@@ -239,7 +240,7 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     rlo, rwlo, rwhi, _, rn = rungs
     out = q.new_empty(q.shape)
     lse = aux_like(q, spec)
-    big = wide((q, k, v, out), B * H * (T + 1))
+    big = wide((q, k, v, out), B * H * (T + 2))
     grid, dims, opts = _launch(q, hkv, wb, trace, big)
     tiles, cap = _options(forward_tiles(dims, two, off is not None))
     flags = _row_flags(k, v, trace, big)
@@ -252,9 +253,10 @@ def forward(q, k, v, spec: ColumnSpec, alpha, scale: float, off=None, save: bool
     return out, lse
 
 
-# the forward and the query pass are launched twice: for the heads without a NaN or inf in their keys and values,
-# unchecked, then for the others, each row read checked (triton_tiles._any_flagged); a program leaves at once
-# where its head is the other launch's. One kernel holding both would be compiled for the checked one's registers.
+# each kernel is launched twice: for the heads without a NaN or inf in their keys and values (the key pass: without
+# an unfinished query row), unchecked, then for the others, each row read checked (triton_tiles._any_flagged,
+# _any_unfinished); a program leaves at once where its head is the other launch's. One kernel holding both would be
+# compiled for the checked one's registers.
 _CHECKED = (False, True)
 
 
@@ -267,7 +269,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     rlo, rwlo, rwhi, rbase, rn = rungs
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     # the rungs' stored values are indexed (row, head, rung slot): B * H * T * R
-    big = wide((q, k, v, out, dout, dq, dk, dv), B * H * (T + 1) * max(R, 1))
+    big = wide((q, k, v, out, dout, dq, dk, dv), B * H * (T + 2) * max(R, 1))
     grid, dims, opts = _launch(q, hkv, wb, trace, big)
     delta = aux_like(q, spec)
     # the rungs' P and dS per (row, head, rung), written by the query pass, read by the key pass
@@ -291,11 +293,13 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     keys = key_pass_rows(dims["BLOCK_M"], two)
     rbk, key_cap = _options(key_pass_rungs(dims, two, docs))
     key_grid = (triton_cdiv(T, keys), grid[1])
-    _launcher(kern.bwd_dkdv_kernel, trace)[key_grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, rlo, rwlo, rwhi, rn,
-                                                     off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout), *_s3(dk), *_s3(dv),
-                                                     T, R, wb, hkv, H, H // hkv, *split(scale * LOG2E),
-                                                     *split(scale), TWO_TAP=two, HAS_DOCS=docs, KEYS=keys,
-                                                     **rbk, **_args(kern.bwd_dkdv_kernel, dims), **opts, **key_cap)
+    for check in _CHECKED:        # here for the heads whose query rows are all finished, then for the others
+        _launcher(kern.bwd_dkdv_kernel, trace)[key_grid](q, k, v, dout, lse, delta, dk, dv, pr, dsr, flags, rlo, rwlo,
+                                                         rwhi, rn, off, *_s3(q), *_s3(k), *_s3(v), *_s3(dout),
+                                                         *_s3(dk), *_s3(dv), T, R, wb, hkv, H, H // hkv,
+                                                         *split(scale * LOG2E), *split(scale), TWO_TAP=two,
+                                                         HAS_DOCS=docs, KEYS=keys, CHECK=check, **rbk,
+                                                         **_args(kern.bwd_dkdv_kernel, dims), **opts, **key_cap)
     da = None
     if need_dalpha:
         if need:

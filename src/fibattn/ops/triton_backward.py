@@ -9,12 +9,15 @@ import triton.language as tl
 
 from .triton_tiles import (
     _NEVER,
+    _any,
     _any_flagged,
+    _any_unfinished,
     _chunk_rows,
     _chunks,
     _doc_off,
     _dot_t,
     _flagged,
+    _head_flags,
     _last,
     _mac,
     _mac_p,
@@ -59,9 +62,12 @@ def bwd_dq_kernel(Q, K, V, OUT, DO, LSE, DELTA, DQ, PR, DSR, DFRAC, FLAGS, RLO, 
     stat = (b * H + h) * T + i
     delta = tl.sum(do.to(ACC) * o.to(ACC), axis=1)
     lse = tl.load(LSE + stat, mask=row_ok, other=0.0).to(ACC)
-    # the key pass reads a NaN delta as "this row is unfinished" (a NaN / inf in its q, dout or a row it read)
-    tl.store(DELTA + stat, tl.where(_unfinished(lse, delta), float("nan"), delta).to(DELTA.dtype.element_ty),
-             mask=row_ok)
+    # the key pass reads a NaN delta as "this row is unfinished" (a NaN / inf in its q, dout or a row it read), and
+    # takes its checked launch for the heads that hold one
+    fin = _unfinished(lse, delta)
+    tl.store(DELTA + stat, tl.where(fin, float("nan"), delta).to(DELTA.dtype.element_ty), mask=row_ok)
+    if _any(fin & row_ok):
+        tl.atomic_or(_head_flags(FLAGS, bhk, T) + T + 1, 1)
     q = q.to(IN)
     do = do.to(IN)
     orow = _doc_off(OFF, b, T, i, HAS_DOCS)
@@ -155,14 +161,14 @@ def _taps(diag, sup, on_diag, on_sup):
 
 
 @triton.jit(do_not_specialize=["T", "R", "WB"])
-def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, RN, OFF,
+def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, FLAGS, RLO, RWLO, RWHI, RN, OFF,
                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
                     T, R, WB, HKV, H, GROUP, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, SPLIT_P: tl.constexpr,
-                    DH: tl.constexpr, WIDE: tl.constexpr):
+                    CHECK: tl.constexpr, DH: tl.constexpr, WIDE: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -170,8 +176,12 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
     ``M - 1``, as the last row's second tap would need a query row past the tile's gather; the
     next program, whose first row it is, writes it.
     ``HAS_DOCS``: the same, with each query row's own document offset ``off[i]`` in place of ``i``
-    (a query at offset ``lo`` clamps its second tap onto its first)."""
+    (a query at offset ``lo`` clamps its second tap onto its first).
+    Launched twice, as the forward: ``CHECK`` for the heads some query row of which is unfinished
+    (:func:`_any_unfinished`), each row's ``delta`` read and tested, and without for the others."""
     b, hk, j0 = _program(HKV, KEYS, WIDE)
+    if _any_unfinished(FLAGS, b * HKV + hk, T) != CHECK:      # the other launch's head
+        return
     qk_scale, sm_scale = _scale(qk_scale, qk_lo, ACC), _scale(sm_scale, sm_lo, ACC)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < DH
@@ -192,11 +202,14 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
         stat = (b * H + hq) * T + i
         lse = tl.load(LSE + stat, mask=ok_i, other=0.0).to(ACC)
         delta = tl.load(DELTA + stat, mask=ok_i, other=0.0).to(ACC)
-        off = delta != delta                              # unfinished rows (the query pass's NaN delta): their
-        # q / dout rows must not meet other rows' zeros in a product (0 * NaN)
-        qb = _rows(Q + b * sqb, hq * sqh + i * sqt, offs_d, ok_i & ~off, in_d)
-        dob = _rows(DO + b * sdb, hq * sdh + i * sdt, offs_d, ok_i & ~off, in_d)
-        lse = tl.where(off, float("nan"), lse)            # ... and give NaN where such a row attends
+        rows_ok = ok_i
+        if CHECK:
+            off = delta != delta                          # unfinished rows (the query pass's NaN delta): their
+            # q / dout rows must not meet other rows' zeros in a product (0 * NaN)
+            rows_ok = ok_i & ~off
+            lse = tl.where(off, float("nan"), lse)        # ... and give NaN where such a row attends
+        qb = _rows(Q + b * sqb, hq * sqh + i * sqt, offs_d, rows_ok, in_d)
+        dob = _rows(DO + b * sdb, hq * sdh + i * sdt, offs_d, rows_ok, in_d)
         d = i[None, :] - kr[:, None]                      # (key, query): the products come out as Pᵀ, dSᵀ
         ok = (d >= 0) & (d <= WB) & ok_i[None, :] & k_ok[:, None]
         if HAS_DOCS:
@@ -224,7 +237,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, RLO, RWLO, RWHI, R
         lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RBK, BLOCK_G * BLOCK_M)
         iq = j0 + m + lo                                # past T for a slot past the rungs in use (lo NEVER)
         qg, dog, ds, p = _stored(Q, DO, PR, DSR, DELTA, b, h, iq, gm_ok, rung, R, T, H, sqb, sqh, sqt, sdb, sdh,
-                                 sdt, offs_d, in_d)
+                                 sdt, offs_d, in_d, CHECK)
         if TWO_TAP:
             wlo = _per_rung(RWLO, r0, nr, 1.0, ACC, RBK, BLOCK_G * BLOCK_M)
             whi = _per_rung(RWHI, r0, nr, 0.0, ACC, RBK, BLOCK_G * BLOCK_M)

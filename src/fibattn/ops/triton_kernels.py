@@ -64,7 +64,7 @@ import triton.language as tl
 
 from .triton_backward import bwd_dkdv_kernel, bwd_dq_kernel
 from .triton_forward import fwd_kernel
-from .triton_tiles import _NEVER, NEVER, _program, _rows
+from .triton_tiles import _NEVER, NEVER, _head_flags, _program, _rows
 
 __all__ = ["NEVER", "plan_kernel", "flags_kernel", "fwd_kernel", "bwd_dq_kernel", "bwd_dkdv_kernel"]
 
@@ -104,10 +104,10 @@ def plan_kernel(ALPHA, BASE, RLO, RWLO, RWHI, RBASE, RN, K, CAP, W: tl.constexpr
 @triton.jit
 def flags_kernel(K, V, FLAGS, skb, skh, skt, svb, svh, svt, T, HKV, DH, BLOCK_R: tl.constexpr,
                  BLOCK_D: tl.constexpr, WIDE: tl.constexpr):
-    """``FLAGS[b, hk, t]`` (int32, ``T + 1`` a head): bit 0 when key row ``(b, hk, t)`` holds a NaN or inf, bit 1
-    when its value row does (``_flagged``), and at ``t = T`` the OR of the head's rows: one read of K and V, so
-    that the attention kernels test a flag per row, not each element, a non-finite value reaches only the queries
-    that attend it, and a head without one is read without any test (``_any_flagged``)."""
+    """``FLAGS[b, hk, t]`` (int32, ``T + 2`` a head: ``_head_flags``): bit 0 when key row ``(b, hk, t)`` holds a
+    NaN or inf, bit 1 when its value row does (``_flagged``), and at ``t = T`` the OR of the head's rows: one read of
+    K and V, so that the attention kernels test a flag per row, not each element, a non-finite value reaches only
+    the queries that attend it, and a head without one is read without any test (``_any_flagged``)."""
     b, hk, t0 = _program(HKV, BLOCK_R, WIDE)
     t = t0 + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
@@ -116,7 +116,7 @@ def flags_kernel(K, V, FLAGS, skb, skh, skt, svb, svh, svt, T, HKV, DH, BLOCK_R:
     v = _rows(V + b * svb + hk * svh, t * svt, offs_d, ok, offs_d < DH)
     kbad = tl.max(tl.where(tl.abs(k.to(tl.float32)) < float("inf"), 0, 1), axis=1)
     vbad = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 2), axis=1)
-    flags = FLAGS + (b * HKV + hk) * (T + 1)
+    flags = _head_flags(FLAGS, b * HKV + hk, T)
     tl.store(flags + t, kbad | vbad, mask=ok)
     # the head's summary (after its T rows, zeroed by the host): an OR, the same whichever program comes first
     head = tl.max(kbad | vbad, axis=0)

@@ -43,6 +43,14 @@ def _chunk_cols(i0, MC: tl.constexpr, C: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _head_flags(FLAGS, bhk, T):
+    """Head ``bhk``'s flags (``b * Hkv + hk``): one a key/value row, then two summaries — at ``T`` whether any of
+    its key or value rows holds a NaN or inf (:func:`_any_flagged`), at ``T + 1`` whether any of its query rows is
+    unfinished (:func:`_any_unfinished`)."""
+    return FLAGS + bhk * (T + 2)
+
+
+@triton.jit
 def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr, CHECK: tl.constexpr):
     """Whether key/value rows ``rows`` of head ``bhk`` (``b * Hkv + hk``) hold a NaN or inf: bit ``BIT`` of their
     flags (``flags_kernel``; 1 keys, 2 values); never, without reading them, unless ``CHECK`` (a head some row of
@@ -53,7 +61,7 @@ def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr, CHECK: tl.constexpr):
     values in the forward, keys in the query pass — and a query that does read a flagged value row is given
     NaN explicitly. Scores need nothing: a masked one is selected away, not multiplied."""
     if CHECK:
-        return (tl.load(FLAGS + bhk * (T + 1) + rows, mask=ok, other=0) & BIT) != 0
+        return (tl.load(_head_flags(FLAGS, bhk, T) + rows, mask=ok, other=0) & BIT) != 0
     else:
         return tl.zeros(rows.shape, tl.int1)
 
@@ -62,7 +70,14 @@ def _flagged(FLAGS, bhk, T, rows, ok, BIT: tl.constexpr, CHECK: tl.constexpr):
 def _any_flagged(FLAGS, bhk, T):
     """Whether any key or value row of head ``bhk`` holds a NaN or inf (``flags_kernel``'s summary): the kernels
     take their checked loops (``CHECK``) only then, and without it skip the per-row flags' reads and tests."""
-    return tl.load(FLAGS + bhk * (T + 1) + T) != 0
+    return tl.load(_head_flags(FLAGS, bhk, T) + T) != 0
+
+
+@triton.jit
+def _any_unfinished(FLAGS, bhk, T):
+    """Whether any query row of the heads of ``bhk`` is unfinished (:func:`_unfinished`; set by the query pass):
+    the key pass takes its checked loops (``CHECK``) only then, and without it reads no row's ``delta`` to test."""
+    return tl.load(_head_flags(FLAGS, bhk, T) + T + 1) != 0
 
 
 @triton.jit
@@ -188,19 +203,24 @@ def _tap(kb, vb, FLAGS, bhk, T, kr, skt, svt, offs_d, ok, in_d, FWD: tl.constexp
 
 
 @triton.jit
-def _stored(Q, DO, PR, DSR, DELTA, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d):
+def _stored(Q, DO, PR, DSR, DELTA, b, h, i, ok, r, R, T, H, sqb, sqh, sqt, sdb, sdh, sdt, offs_d, in_d,
+            CHECK: tl.constexpr):
     """Query rows ``i`` of heads ``h`` (gathered ``q`` and ``dout``), with their stored ``dS`` and ``P``
-    of rung ``r``; an unfinished row (:func:`_unfinished`: its delta is stored as NaN) comes in as zeros, its
-    nonzero ``P`` as NaN."""
+    of rung ``r``. ``CHECK`` (some row of the heads is unfinished, :func:`_any_unfinished`): an unfinished row
+    (its delta is stored as NaN) comes in as zeros, its nonzero ``P`` as NaN."""
     ok = ok & (i < T)
     stat = (b * H + h) * T + i
-    delta = tl.load(DELTA + stat, mask=ok, other=0.0)
-    off = delta != delta
-    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok & ~off, in_d)
-    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok & ~off, in_d)
     slot = stat * R + r
     p = tl.load(PR + slot, mask=ok, other=0.0)
-    return qg, dog, tl.load(DSR + slot, mask=ok, other=0.0), tl.where(off & (p != 0), float("nan"), p)
+    ds = tl.load(DSR + slot, mask=ok, other=0.0)
+    if CHECK:
+        delta = tl.load(DELTA + stat, mask=ok, other=0.0)
+        off = delta != delta
+        ok = ok & ~off
+        p = tl.where(off & (p != 0), float("nan"), p)
+    qg = _rows(Q + b * sqb, h * sqh + i * sqt, offs_d, ok, in_d)
+    dog = _rows(DO + b * sdb, h * sdh + i * sdt, offs_d, ok, in_d)
+    return qg, dog, ds, p
 
 
 @triton.jit
