@@ -57,9 +57,9 @@ The static H200 model (:func:`estimate_ms`)
       reads or writes each of its bf16 tensor arguments (Q, K, V, OUT, DO, DQ, DK, DV by
       name in its signature) once: q-shaped ones ``B x H x T x Dh``, k-shaped ones
       ``B x Hkv x T x Dh``;
-    * launch: 4 us per kernel launch (``launches``: the forward and the query pass launch twice, the second
-      time for the heads whose keys or values hold a NaN or inf, whose programs otherwise read one flag and
-      leave);
+    * launch: 4 us per kernel launch (``launches``: each kernel launches twice, the second time for the heads
+      whose keys or values hold a NaN or inf — the key pass: whose query rows include an unfinished one — whose
+      programs otherwise read one flag and leave);
     * programs at length T: ``ceil(T / rows_per_program) x B x Hkv``, every program
       costed as an interior one.
     FlashAttention-2 for comparison, from its FLOPs: causal forward ``2 B H T^2 Dh`` at
