@@ -206,7 +206,7 @@ def test_the_sweep_step_asks_for_what_the_cli_and_the_backend_take(monkeypatch):
         if key.startswith("FIBATTN_TRITON_") and key not in ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS"):
             monkeypatch.setenv(key, value)
     cfg = triton_config.config(4, 64, 12)
-    assert (cfg["RUNGS"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == (((16, 1),), (1,), 1)
+    assert (cfg["RUNGS"], cfg["RB_KEY_PASS"], cfg["num_stages"]) == (((16, 1),), ((1, 0),), 1)
     monkeypatch.delenv("FIBATTN_TRITON_RUNG_STEP")
     assert triton_config.config(4, 64, 12)["RUNGS"] == ((16, 2), (16, 1))       # the other one-chunk row
 

@@ -78,12 +78,14 @@ def test_interpolated_packed_equals_separate(device, window, alpha, shape, rows,
     """Two-tap rungs (lo 1, 2, 4, 6, 10, 17, 28 at 1.37): a query at offset ``lo`` in its document
     reads its first tap twice; d alpha of the packed call is the sum of the documents'. The group of four takes
     the tile choices' other candidates (``triton_config.config``): the rungs in one chunk at one rung a step in
-    the forward and query pass, one in the key pass, a band step of 16 keys in the forward."""
+    the forward and query pass, one in the key pass (its blocks placed by selects), a band step of 16 keys in the
+    forward."""
     if shape == "g4":
         monkeypatch.setenv("FIBATTN_TRITON_RUNG_CHUNK", "16")
         monkeypatch.setenv("FIBATTN_TRITON_RUNG_STEP", "1")
         monkeypatch.setenv("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "16")
         monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", "1")
+        monkeypatch.setenv("FIBATTN_TRITON_KEY_PASS_PRODUCTS", "0")
     q, k, v, dout = make(B=len(rows), T=37, Dh=16, seed=2, device=device, **SHAPES[shape])
     check(q, k, v, dout, ColumnSpec(None, window, FIB), torch.tensor(alpha, device=device), rows,
           rtol=1e-4, atol=1e-4)

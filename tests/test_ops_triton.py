@@ -179,12 +179,13 @@ def test_small_tiles(device, monkeypatch):
 @pytest.mark.parametrize("chunk, rb", [("16", "1"), ("16", "2"), ("4", "8"), ("2", "8")])
 def test_either_candidate_of_each_choice(device, monkeypatch, chunk, rb):
     """The tile choices' candidates (``triton_config.config``; the interpreter takes the first unless told): the
-    rungs in one chunk of the tile at one or two rungs a step (the key pass too), and in chunks of 4 and 2 positions
-    at 8 rungs a step (more than there are: slots past the rungs in use), over odd and even rung counts and a group
-    of four."""
+    rungs in one chunk of the tile at one or two rungs a step (the key pass too, its blocks placed by selects, or
+    by products at two rungs a step), and in chunks of 4 and 2 positions at 8 rungs a step (more than there are:
+    slots past the rungs in use), over odd and even rung counts and a group of four."""
     monkeypatch.setenv("FIBATTN_TRITON_RUNG_CHUNK", chunk)
     monkeypatch.setenv("FIBATTN_TRITON_RUNG_STEP", rb)
     monkeypatch.setenv("FIBATTN_TRITON_RB_KEY_PASS", "2" if rb == "8" else rb)
+    monkeypatch.setenv("FIBATTN_TRITON_KEY_PASS_PRODUCTS", "0" if rb in ("1", "8") else "1")
     q, k, v, dout = make(B=1, H=4, Hkv=1, T=70, Dh=16, dtype=torch.float64, seed=21, device=device)
     for base in ("fib:7", "fib:8"):          # 5 and 6 rungs, integer and two-tap
         a = torch.tensor(1.37, dtype=torch.float64, device=device)
@@ -263,29 +264,29 @@ def test_block_size_override_is_checked(key, value, message, monkeypatch):
 def test_tiles_and_the_candidates_of_each_choice(group, head_dim, block_q, chunk, monkeypatch):
     """Issue 56: the key pass's band takes at most 64 query rows over the group's heads (at least 16 positions); the
     forward and query pass take the rungs in chunks of ``16 / G`` positions (16 rows), at as many rungs a step as
-    make 16 columns a chunk (at least 2), then the one-chunk tile at 2 and 1; the key pass's rungs a step and the
-    two-tap forward's band step with documents are candidates too, the larger step first. Without a chooser (the
-    interpreter) the first is taken; a setting in the environment is the only candidate (the GPU check's sweep times
-    the others)."""
+    make 16 columns a chunk (at least 2), then the one-chunk tile at 2 and 1; the key pass's rungs a step (with its
+    blocks placed by products, then by selects) and the two-tap forward's band step with documents are candidates
+    too, the larger step first. Without a chooser (the interpreter) the first is taken; a setting in the environment
+    is the only candidate (the GPU check's sweep times the others)."""
     cfg = triton_config.config(group, head_dim, 12)
     step = max(2, 16 // chunk)
     assert (cfg["BLOCK_N"], cfg["BLOCK_Q"], cfg["MC"], cfg["RB"]) == (32, block_q, chunk, step)
     assert cfg["RUNGS"] == tuple(dict.fromkeys(((chunk, step), (16, 2), (16, 1))))
-    assert (cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == ((2, 1), (32, 16))
+    assert (cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (((2, 1), (2, 0), (1, 1), (1, 0)), (32, 16))
     fwd, dq, dkdv = triton_config.forward_tiles, triton_config.query_pass_rungs, triton_config.key_pass_rungs
     for two, docs in ((True, True), (True, False), (False, True)):
         assert fwd(cfg, two, docs) == {"BLOCK_N": 32, "MC": chunk, "RB": step}
-        assert dq(cfg, two, docs) == {"MC": chunk, "RB": step} and dkdv(cfg, two, docs) == {"RBK": 2}
+        assert dq(cfg, two, docs) == {"MC": chunk, "RB": step} and dkdv(cfg, two, docs) == {"RBK": 2, "PRODUCTS": 1}
     assert triton_config.config(group, head_dim, 0)["BLOCK_N_TWO_TAP_DOCS"] == (16,)      # BLOCK_N is 16 there
     for key, value in (("FIBATTN_TRITON_BLOCK_Q", "16"), ("FIBATTN_TRITON_RUNG_CHUNK", "16"),
                        ("FIBATTN_TRITON_RUNG_STEP", "1"), ("FIBATTN_TRITON_RB_KEY_PASS", "1"),
-                       ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "16")):
+                       ("FIBATTN_TRITON_KEY_PASS_PRODUCTS", "0"), ("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "16")):
         monkeypatch.setenv(key, value)
     cfg = triton_config.config(group, head_dim, 12)
     assert (cfg["BLOCK_Q"], cfg["RUNGS"], cfg["RB_KEY_PASS"], cfg["BLOCK_N_TWO_TAP_DOCS"]) == (
-        16, ((16, 1),), (1,), (16,))
+        16, ((16, 1),), ((1, 0),), (16,))
     assert (fwd(cfg, True, True), dq(cfg, True), dkdv(cfg, False)) == (
-        {"BLOCK_N": 16, "MC": 16, "RB": 1}, {"MC": 16, "RB": 1}, {"RBK": 1})
+        {"BLOCK_N": 16, "MC": 16, "RB": 1}, {"MC": 16, "RB": 1}, {"RBK": 1, "PRODUCTS": 0})
     monkeypatch.delenv("FIBATTN_TRITON_RUNG_STEP")
     assert triton_config.config(group, head_dim, 12)["RUNGS"] == ((16, 2), (16, 1))   # a chunk set: its steps
 
@@ -303,7 +304,9 @@ def test_every_setting_the_backend_reads_keys_its_launch_plans():
 def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
     """``triton_config._chosen``: the chooser (``triton_occupancy.choose`` on CUDA) gets the kernel, the key, the
     candidates and the constexprs a launch passes (documents or ``OFF=None``; the unchecked launch, ``CHECK``
-    False), and a plan remembers its answer and the launch options it comes with (a register cap)."""
+    False; every constexpr of the kernel but the chosen ones, so that what is compiled is what is launched), and a
+    plan remembers its answer and the launch options it comes with (a register cap)."""
+    import inspect
     calls = []
 
     def choose(kernel, key, candidates, consts):
@@ -311,23 +314,30 @@ def test_a_choice_is_asked_once_per_plan_with_the_kernels_constexprs():
         return candidates[-1], ({"maxnreg": 168} if kernel.__name__ == "bwd_dq_kernel" else {})
     cfg = triton_config.config(4, 64, 12)
     cfg.pop("num_warps"), cfg.pop("num_stages")
-    dims = dict(ACC="acc", IN="in", DOT="dot", **cfg, choose=choose)
+    dims = dict(ACC="acc", IN="in", DOT="dot", DH=64, WIDE=False, **cfg, choose=choose)
     fwd, dq, dkdv = triton_config.forward_tiles, triton_config.query_pass_rungs, triton_config.key_pass_rungs
     assert fwd(dims, True, True) == fwd(dims, True, True) == {"BLOCK_N": 16, "MC": 16, "RB": 1}
     assert dq(dims, True, False, True) == dq(dims, True) == {"MC": 16, "RB": 1, "maxnreg": 168}
-    assert dkdv(dims, False) == dkdv(dims, True, True) == {"RBK": 1}
-    rungs = ((4, 4), (16, 2), (16, 1))
+    assert dkdv(dims, False) == dkdv(dims, True, True) == {"RBK": 1, "PRODUCTS": 0}
+    rungs, key = ((4, 4), (16, 2), (16, 1)), ((2, 1), (2, 0), (1, 1), (1, 0))
     assert [(n, k, c) for n, k, c, _ in calls] == [
         ("fwd_kernel", ("BLOCK_N", "MC", "RB"), tuple((bn, *r) for r in rungs for bn in (32, 16))),
-        ("bwd_dq_kernel", ("MC", "RB"), rungs), ("bwd_dkdv_kernel", "RBK", (2, 1)), ("bwd_dkdv_kernel", "RBK", (2, 1))]
+        ("bwd_dq_kernel", ("MC", "RB"), rungs), ("bwd_dkdv_kernel", ("RBK", "PRODUCTS"), key),
+        ("bwd_dkdv_kernel", ("RBK", "PRODUCTS"), key)]
     fwd_consts, dq_consts, key_consts = calls[0][3], calls[1][3], calls[2][3]
     assert fwd_consts["TWO_TAP"] and fwd_consts["HAS_DOCS"] and "OFF" not in fwd_consts
     assert fwd_consts["CHECK"] is False and dq_consts["CHECK"] is False and key_consts["CHECK"] is False
     assert dq_consts["NEED_DFRAC"] and not dq_consts["HAS_DOCS"] and dq_consts["OFF"] is None
     assert not key_consts["TWO_TAP"] and calls[3][3]["TWO_TAP"] and calls[3][3]["HAS_DOCS"]
+    assert key_consts["KEYS"] == 16 and calls[3][3]["KEYS"] == 15            # triton_config.key_pass_rows
     kern = triton_backend.kernels()
-    for name, _, _, consts in calls:
-        assert set(consts) <= set(getattr(kern, name).arg_names) and consts["ACC"] == "acc"
+    for name, key, _, consts in calls:
+        fn = getattr(kern, name)
+        chosen = set(key) if isinstance(key, tuple) else {key}
+        params = inspect.signature(fn.fn).parameters.values()          # a JITFunction or the interpreter's
+        assert set(consts) | chosen == {p.name for p in params if "constexpr" in str(p.annotation)} | (
+            {"OFF"} & set(consts))
+        assert set(consts) <= set(fn.arg_names) and consts["ACC"] == "acc"
     assert fwd(dims, False, True) == {"BLOCK_N": 32, "MC": 16, "RB": 1} and len(calls) == 5
 
 

@@ -104,9 +104,10 @@ def test_a_compiled_call_on_a_device_makes_its_tile_choices_while_tracing():
                                 "bwd_dkdv_kernel"]
     rungs = graph["rungs"]
     assert (rungs["bwd_dq_kernel.MC"], rungs["bwd_dq_kernel.RB"]) in triton_config.config(2, 16, 3)["RUNGS"]
-    assert rungs["bwd_dkdv_kernel.RBK"] in (1, 2)
+    assert (rungs["bwd_dkdv_kernel.RBK"], rungs["bwd_dkdv_kernel.PRODUCTS"]) in triton_config.config(2, 16, 3)[
+        "RB_KEY_PASS"]
     assert rungs["bwd_dq_kernel.CHECK"] is True and rungs["bwd_dkdv_kernel.CHECK"] is True   # the last launch's
-    assert "bwd_dq_kernel MC,RB=" in err[0] and "bwd_dkdv_kernel RBK=" in err[0]
+    assert "bwd_dq_kernel MC,RB=" in err[0] and "bwd_dkdv_kernel RBK,PRODUCTS=" in err[0]
     assert "not chosen by registers" not in err[0]
 
 

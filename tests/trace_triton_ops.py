@@ -42,7 +42,7 @@ def describe(gm) -> dict:
             name = kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
             kernels.append(name)
             args = {**kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"]), **node.kwargs["kwargs"]}
-            rungs.update({f"{name}.{k}": args[k] for k in ("MC", "RB", "RBK", "CHECK") if k in args})
+            rungs.update({f"{name}.{k}": args[k] for k in ("MC", "RB", "RBK", "PRODUCTS", "CHECK") if k in args})
             continue
         name = str(node.target)
         ops.append(name)

@@ -209,11 +209,12 @@ def training(r: Runner, summary: dict) -> None:
 
 # (BLOCK_M, warps, maxnreg, other settings), the default first. Then what the model cannot settle, checked on the
 # card: the rungs in one chunk of the tile (the kernels before rung chunks: triton_config.rung_chunk), the same at one
-# rung a step in the query and key passes (the other candidates of triton_occupancy's choices), and one
+# rung a step in the query and key passes, the key pass's blocks placed by selects (the other candidates of
+# triton_occupancy's choices), and one
 # software-pipeline stage (7-16 % fewer instructions, the loads' latency bare). 168 registers: 3 programs per SM.
 SWEEP = ((16, 4, 0, {}), (16, 4, 0, {"FIBATTN_TRITON_RUNG_CHUNK": "16"}),
          (16, 4, 0, {"FIBATTN_TRITON_RUNG_CHUNK": "16", "FIBATTN_TRITON_RUNG_STEP": "1",
-                     "FIBATTN_TRITON_RB_KEY_PASS": "1"}),
+                     "FIBATTN_TRITON_RB_KEY_PASS": "1", "FIBATTN_TRITON_KEY_PASS_PRODUCTS": "0"}),
          (16, 4, 0, {"FIBATTN_TRITON_STAGES": "1"}), (16, 4, 168, {}), (16, 8, 0, {}), (32, 4, 0, {}), (32, 8, 0, {}))
 
 

@@ -14,6 +14,7 @@ from .triton_tiles import (
     _any_unfinished,
     _chunk_rows,
     _chunks,
+    _column_offsets,
     _doc_off,
     _dot_t,
     _flagged,
@@ -119,9 +120,10 @@ def _dq_rungs(dq, q, do, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, RN, PR
     mc = tl.arange(0, q.shape[len(q.shape) - 2]) % MC
     mm = tl.arange(0, RB * MC) % MC
     nr = tl.load(RN)
+    oc = _column_offsets(OFF, b, T, i0, MC, C, RB * MC, HAS_DOCS)
     for r0 in range(0, nr, RB):
         k1, v1, k2, v2, wlo, whi, kok, _ = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt, svt,
-                                                      offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC, RB, MC, C, False,
+                                                      offs_d, in_d, oc, TWO_TAP, HAS_DOCS, ACC, RB, MC, C, False,
                                                       CHECK)
         ok = (mc[:, None] == mm[None, :]) & _mid(kok) & _last(rok)
         s1 = _dot_t(q, k1, IN, DOT).to(ACC)
@@ -154,10 +156,39 @@ def _dq_rungs(dq, q, do, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, RN, PR
 
 
 @triton.jit
-def _taps(diag, sup, on_diag, on_sup):
-    """The key pass's ``A`` block: per column ``on_diag`` on the diagonal, ``on_sup`` on the superdiagonal, 0
-    elsewhere (set, not multiplied)."""
-    return tl.where(diag, on_diag[None, :], tl.where(sup, on_sup[None, :], 0.0))
+def _placed(diag, sup, on_diag, on_sup, IN: tl.constexpr, TWO_TAP: tl.constexpr, SELECT: tl.constexpr):
+    """The key pass's ``A`` block: per column ``on_diag`` on the diagonal and, two-tap, ``on_sup`` on the
+    superdiagonal, 0 elsewhere. ``SELECT`` (the checked launch; or the tile choice, ``PRODUCTS`` off): set, in the
+    values' dtype, so that a NaN stays in the entries its row reads. Otherwise, where every value is finite, in
+    ``IN``: the 0 / 1 blocks multiplied by the values, the same numbers, as two-lane half-precision products in
+    place of a select and a conversion an element (the integer rung step 431 → 393 instructions a thread by the
+    model), the 0 / 1 blocks held in registers."""
+    if SELECT:
+        if TWO_TAP:
+            return tl.where(diag, on_diag[None, :], tl.where(sup, on_sup[None, :], 0.0))
+        else:
+            return tl.where(diag, on_diag[None, :], 0.0)
+    else:
+        a = diag.to(IN) * on_diag.to(IN)[None, :]
+        if TWO_TAP:
+            a = a + sup.to(IN) * on_sup.to(IN)[None, :]
+        return a
+
+
+@triton.jit
+def _mac_placed(acc, diag, sup, on_diag, on_sup, x, IN: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr,
+                TWO_TAP: tl.constexpr, SELECT: tl.constexpr):
+    """``acc + A · x`` for ``A`` :func:`_placed` from probabilities, with ``SPLIT`` (half-precision inputs) as their
+    ``hi + lo`` parts (``_mac_p``): of the block where it is selected, else of the values before they are placed
+    (the same parts)."""
+    if SELECT or not (SPLIT and (IN == tl.float16 or IN == tl.bfloat16)):
+        return _mac_p(acc, _placed(diag, sup, on_diag, on_sup, IN, TWO_TAP, SELECT), x, IN, DOT, SPLIT)
+    else:
+        hd = on_diag.to(IN)
+        hs = on_sup.to(IN)
+        acc = _mac(acc, _placed(diag, sup, hd, hs, IN, TWO_TAP, SELECT), x, IN, DOT)
+        return _mac(acc, _placed(diag, sup, on_diag - hd.to(on_diag.dtype), on_sup - hs.to(on_sup.dtype), IN,
+                                 TWO_TAP, SELECT), x, IN, DOT)
 
 
 @triton.jit(do_not_specialize=["T", "R", "WB"])
@@ -167,8 +198,8 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, FLAGS, RLO, RWLO, 
                     T, R, WB, HKV, H, GROUP, qk_scale, qk_lo, sm_scale, sm_lo,
                     TWO_TAP: tl.constexpr, HAS_DOCS: tl.constexpr, ACC: tl.constexpr, IN: tl.constexpr,
                     DOT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, SPLIT_P: tl.constexpr,
-                    CHECK: tl.constexpr, DH: tl.constexpr, WIDE: tl.constexpr):
+                    BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, RBK: tl.constexpr, PRODUCTS: tl.constexpr,
+                    SPLIT_P: tl.constexpr, CHECK: tl.constexpr, DH: tl.constexpr, WIDE: tl.constexpr):
     """By key tile ``[j0, j0 + M)``: the band's query rows ``[j0, j0 + M + WB)`` recomputed as
     tile dots; rung ``r`` read by query rows ``j + lo`` (first tap, weight ``wlo``) and, two-tap,
     ``j + lo + 1`` (second, ``whi``) — plus query row ``lo``, whose clamped second tap reads key 0.
@@ -232,6 +263,7 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, FLAGS, RLO, RWLO, 
     diag = row[:, None] == m[None, :]
     sup = row[:, None] + 1 == m[None, :]
     nr = tl.load(RN)
+    SELECT: tl.constexpr = CHECK or not PRODUCTS
     for r0 in range(0, nr, RBK):
         rung = r0 + rq // (BLOCK_G * BLOCK_M)
         lo = _per_rung(RLO, r0, nr, _NEVER, tl.int32, RBK, BLOCK_G * BLOCK_M)
@@ -248,11 +280,11 @@ def bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, PR, DSR, FLAGS, RLO, RWLO, 
             oq = _doc_off(OFF, b, T, iq, HAS_DOCS)
             wd = wlo + whi * (oq == lo).to(ACC)
             two = oq > lo
-            dk = _mac(dk, _taps(diag, sup, wd * ds, tl.where(two, whi * ds, 0.0)), qg, IN, DOT)
-            dv = _mac_p(dv, _taps(diag, sup, wd * p, tl.where(two, whi * p, 0.0)), dog, IN, DOT, SPLIT_P)
+            dk = _mac(dk, _placed(diag, sup, wd * ds, tl.where(two, whi * ds, 0.0), IN, True, SELECT), qg, IN, DOT)
+            dv = _mac_placed(dv, diag, sup, wd * p, tl.where(two, whi * p, 0.0), dog, IN, DOT, SPLIT_P, True, SELECT)
         else:
-            dk = _mac(dk, tl.where(diag, ds[None, :], 0.0), qg, IN, DOT)
-            dv = _mac_p(dv, tl.where(diag, p[None, :], 0.0), dog, IN, DOT, SPLIT_P)
+            dk = _mac(dk, _placed(diag, sup, ds, ds, IN, False, SELECT), qg, IN, DOT)
+            dv = _mac_placed(dv, diag, sup, p, p, dog, IN, DOT, SPLIT_P, False, SELECT)
     own = k_ok & (row < KEYS)
     tl.store(DK + b * sdkb + hk * sdkh + kr[:, None] * sdkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=own[:, None] & in_d[None, :])

@@ -63,7 +63,8 @@ def config(group: int, head_dim: int, window: int) -> dict:
     ``G·16`` tile rows (64 for the goal setting: one Hopper warpgroup). ``BLOCK_N`` keys per band step cover
     ``M + W`` (up to 64 at a time); the key pass's band takes ``BLOCK_Q`` query positions per step. The forward
     and the query pass take the rungs in chunks of ``MC`` positions (:func:`rung_chunk`), ``RB`` rungs a step;
-    the key pass ``RB_KEY_PASS`` rungs a step. ``RUNGS`` (``(MC, RB)`` pairs), ``RB_KEY_PASS`` and
+    the key pass ``RBK`` rungs a step, its rung blocks placed by products or by selects (``PRODUCTS``;
+    ``triton_backward._placed``). ``RUNGS`` (``(MC, RB)`` pairs), ``RB_KEY_PASS`` (``(RBK, PRODUCTS)`` pairs) and
     ``BLOCK_N_TWO_TAP_DOCS`` (the two-tap forward's band step with documents) are candidates, in order of
     preference, that a launch on CUDA chooses from by the compiled code (:func:`_chosen`).
     The figures in the comments are ``tools/gpu_static.py``'s, for the goal setting.
@@ -83,7 +84,11 @@ def config(group: int, head_dim: int, window: int) -> dict:
     # documents (32 keys, or 16). Candidates in order of preference; a setting in the environment is the only one
     mc = rung_chunk(bg, bm)
     rungs = _rung_candidates(mc, bm)
-    rb_keys = _env_candidates("FIBATTN_TRITON_RB_KEY_PASS", (2, 1), _env_int)
+    # the key pass places its rung blocks by products where it can (unchecked: 9 % fewer instructions a step), but
+    # they hold 0 / 1 blocks in registers: with documents two-tap, selects keep two rungs a step within 168
+    rb_keys = tuple((rbk, prod) for rbk in _env_candidates("FIBATTN_TRITON_RB_KEY_PASS", (2, 1), _env_int)
+                    for prod in _env_candidates("FIBATTN_TRITON_KEY_PASS_PRODUCTS", (1, 0),
+                                                lambda k, d: _env_choice(k, d, (0, 1))))
     bn_docs = _env_candidates("FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", (bn, 16), _env_tile)
     # two stages: the loops' next gathers in flight while a step computes. One costs 7-16 % fewer instructions by
     # tools/gpu_static.py, but its model cannot price the loads' latency then left bare: the GPU check's sweep times it
@@ -148,10 +153,11 @@ def query_pass_rungs(dims: dict, two_tap: bool, docs: bool = False, need_dfrac: 
 
 
 def key_pass_rungs(dims: dict, two_tap: bool, docs: bool = False) -> dict:
-    """Rungs per step of the backward's key pass, ``{"RBK"}``: the choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
-    rbk, extra = _chosen(dims, kernels().bwd_dkdv_kernel, "RBK", dims["RB_KEY_PASS"], TWO_TAP=two_tap,
-                         HAS_DOCS=docs)
-    return {"RBK": rbk, **extra}
+    """Rungs per step of the backward's key pass and how it places their blocks, ``{"RBK", "PRODUCTS"}``: the
+    choice of ``RB_KEY_PASS`` (:func:`_chosen`)."""
+    (rbk, prod), extra = _chosen(dims, kernels().bwd_dkdv_kernel, ("RBK", "PRODUCTS"), dims["RB_KEY_PASS"],
+                                 TWO_TAP=two_tap, HAS_DOCS=docs, KEYS=key_pass_rows(dims["BLOCK_M"], two_tap))
+    return {"RBK": rbk, "PRODUCTS": prod, **extra}
 
 
 def _chosen(dims: dict, kernel, key, candidates: tuple, **flags) -> tuple:
@@ -217,4 +223,5 @@ def key_pass_rows(block_m: int, two_tap: bool) -> int:
 # what overrides :func:`config` (each checked there; a launch plan is keyed on them)
 SETTINGS = ("FIBATTN_TRITON_BLOCK_M", "FIBATTN_TRITON_WARPS", "FIBATTN_TRITON_MAXNREG", "FIBATTN_TRITON_BLOCK_Q",
             "FIBATTN_TRITON_RUNG_STEP", "FIBATTN_TRITON_BLOCK_N_TWO_TAP_DOCS", "FIBATTN_TRITON_STAGES",
-            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS", "FIBATTN_TRITON_RUNG_CHUNK")
+            "FIBATTN_TRITON_SPLIT_P", "FIBATTN_TRITON_RB_KEY_PASS", "FIBATTN_TRITON_KEY_PASS_PRODUCTS",
+            "FIBATTN_TRITON_RUNG_CHUNK")

@@ -11,6 +11,7 @@ from .triton_tiles import (
     _any_flagged,
     _chunk_rows,
     _chunks,
+    _column_offsets,
     _doc_off,
     _dot_t,
     _flagged,
@@ -108,8 +109,9 @@ def _fwd_rungs(m_i, l_i, acc, bad, q, i0, OFF, b, kb, vb, FLAGS, bhk, RLO, RWLO,
     mm = tl.arange(0, RB * MC) % MC                           # each column's
     nr = tl.load(RN)
     for r0 in range(0, nr, RB):                               # the rungs, RB at a time
+        oc = _column_offsets(OFF, b, T, i0, MC, C, RB * MC, HAS_DOCS)          # read each step: see there
         k1, v1, k2, v2, wlo, whi, kok, cbad = _rung_keys(kb, vb, FLAGS, bhk, RLO, RWLO, RWHI, r0, nr, i0, T, skt,
-                                                         svt, offs_d, in_d, OFF, b, TWO_TAP, HAS_DOCS, ACC, RB, MC,
+                                                         svt, offs_d, in_d, oc, TWO_TAP, HAS_DOCS, ACC, RB, MC,
                                                          C, True, CHECK)
         ok = (mc[:, None] == mm[None, :]) & _mid(kok)
         if CHECK:
