@@ -104,6 +104,7 @@ def test_single_row_of_one(device):
     check(q, k, v, dout, ColumnSpec(None, 2, FIB), torch.tensor(1.37, device=device), [[1]], **FP32)
 
 
+@pytest.mark.slow          # the default suite keeps WIDE's test without documents (test_ops_triton)
 def test_int64_indexing_with_documents(device, monkeypatch):
     """``WIDE`` (int64 offsets, ``triton_backend.wide``) forced on: each row's document offsets read at ``b·T + i``
     in int64, both ops, the second row's batch offset included."""

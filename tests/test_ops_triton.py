@@ -210,7 +210,7 @@ def test_a_group_of_eight_takes_the_rungs_in_chunks_of_two(device):
 def test_int64_indexing_matches_the_reference(device, monkeypatch):
     """``WIDE`` (``triton_backend.wide``: tensors whose offsets may reach 2**31) indexes in int64; forced here on
     small tensors: non-contiguous, two batches, a group of two, both ops, against the reference (documents:
-    ``test_ops_documents_triton``)."""
+    ``test_ops_documents_triton``, ``-m slow``)."""
     monkeypatch.setattr(triton_backend, "wide", lambda tensors, elements=0: True)
     q, k, v, dout = make(B=2, H=4, Hkv=2, T=45, Dh=16, dtype=torch.float64, noncontig=True, seed=41, device=device)
     a = torch.tensor(1.37, dtype=torch.float64, device=device)
