@@ -10,10 +10,11 @@ for its key pass (freed when the backward returns).
 Four launches per forward — ``flags_kernel`` (with the zero fill of its per-head summary), one read of K and V
 marking the rows that hold a NaN or inf so that such a value reaches only the queries that attend it, and the
 attention twice: unchecked for the heads without one, checked for the others (:data:`_CHECKED`) — (five for the
-fractional op: its rung plan is computed on the device so that ``alpha`` is never read back to the host), five
-per backward plus the ``alpha`` gradient's sum. ``T`` is a runtime argument of every kernel. Documents: ``forward`` and
-``backward`` take ``off`` (int32 ``(B, T)``, contiguous, on q's device: each position's offset
-in its document; None for one document per row), compiled as a separate kernel variant.
+fractional op: its rung plan is computed on the device so that ``alpha`` is never read back to the host), six
+per backward (the flags with their zero fill, each pass twice) plus the ``alpha`` gradient's sum. ``T`` is a
+runtime argument of every kernel. Documents: ``forward`` and ``backward`` take ``off`` (int32 ``(B, T)``,
+contiguous, on q's device: each position's offset in its document; None for one document per row), compiled as a
+separate kernel variant.
 
 On CPU tensors the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``,
 set before fibattn first uses this backend): slow, but exact enough to test against the
@@ -268,7 +269,7 @@ def backward(dout, q, k, v, out, lse, spec: ColumnSpec, alpha, scale: float, nee
     rungs, R, wb, two = _columns(spec, alpha, T, q.device, trace)
     rlo, rwlo, rwhi, rbase, rn = rungs
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    # the rungs' stored values are indexed (row, head, rung slot): B * H * T * R
+    # the rungs' stored values are indexed (row, head, rung slot): B * H * T * R; the flags B * Hkv * (T + 2)
     big = wide((q, k, v, out, dout, dq, dk, dv), B * H * (T + 2) * max(R, 1))
     grid, dims, opts = _launch(q, hkv, wb, trace, big)
     delta = aux_like(q, spec)
