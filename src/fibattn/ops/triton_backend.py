@@ -176,19 +176,19 @@ def wide(tensors, elements: int = 0) -> bool:
     return bool(reach >= 2 ** 31)
 
 
-def _launch(q, hkv, wb, trace: bool = False, wide: bool = False):
+def _launch(q, hkv, wb, trace: bool = False, big: bool = False):
     """``(grid, constexprs, launch options)`` of a launch over ``q``'s rows: worked out once per shape and
     setting when eager (the host's time per call is the op's cost below ~16K; the settings are read each
     call, so that a changed ``FIBATTN_TRITON_*`` takes effect)."""
     env = os.environ
     key = tuple(env.get(k) for k in SETTINGS + ("TRITON_INTERPRET",))
     if trace:                     # symbolic sizes: nothing to cache
-        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, q.device, wide, True)
-    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key, q.device, wide)
+        return _launch_plan.__wrapped__(tuple(q.shape), q.dtype, hkv, wb, key, q.device, big, True)
+    return _launch_plan(tuple(q.shape), q.dtype, hkv, wb, key, q.device, big)
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, wide: bool = False, trace: bool = False):
+def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, big: bool = False, trace: bool = False):
     B, H, T, D = shape
     cfg = config(H // hkv, D, max(wb, 0))
     opts = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
@@ -198,7 +198,7 @@ def _launch_plan(shape, dtype, hkv: int, wb: int, _settings, device, wide: bool 
     # the interpreter multiplies bfloat16 blocks as raw 16-bit integers: give it float32 operands
     dot = torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
     # the head dim a constexpr: at a power of two the head-dim masks fold away
-    dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), DH=D, WIDE=wide, **cfg)
+    dims = dict(ACC=_tl_dtype(_acc_dtype(dtype)), IN=_tl_dtype(dtype), DOT=_tl_dtype(dot), DH=D, WIDE=big, **cfg)
     target = _target(device)
     if target is not None:
         from . import triton_occupancy
@@ -220,14 +220,14 @@ def _target(device):
     return triton_occupancy.device_target(torch.cuda.current_device() if device.index is None else device.index)
 
 
-def _row_flags(k, v, trace: bool, wide: bool) -> torch.Tensor:
+def _row_flags(k, v, trace: bool, big: bool) -> torch.Tensor:
     """``(B, Hkv, T + 2)`` int32: which key (bit 0) and value (bit 1) rows hold a NaN or inf, at ``T`` whether
     any of the head's does (``flags_kernel``), and at ``T + 1``, zero here, whether any of its query rows is
     unfinished (set by the query pass, read by the key pass: ``triton_tiles._head_flags``)."""
     B, hkv, T, D = k.shape
     flags = torch.zeros(B, hkv, T + 2, dtype=torch.int32, device=k.device)
     _launcher(kernels().flags_kernel, trace)[(triton_cdiv(T, 64), B * hkv)](
-        k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16), WIDE=wide)
+        k, v, flags, *_s3(k), *_s3(v), T, hkv, D, BLOCK_R=64, BLOCK_D=max(_pow2(D), 16), WIDE=big)
     return flags
 
 
