@@ -1,6 +1,7 @@
 """Run by ``tests/test_triton_ops.py`` in a process of its own, without Triton's interpreter: compile calls of
 the public ops on fake CUDA tensors (no GPU needed) and print, as JSON, what each AOT graph holds — the
-Triton kernels it launches itself, any other fibattn op, and anything that would make or read a host value.
+Triton kernels it launches itself, any other fibattn op, and anything that would make or read a host value —
+and whether the ``triton_op``s were registered before the trace (the public ops register them on first use).
 
 Argument: ``integer`` | ``interpolated`` | ``backward`` | ``backward-chosen`` (the backward as on an sm_90 device:
 its tile choices made on code compiled while tracing; the rungs a step each pass was launched with are printed).
@@ -20,7 +21,6 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import fibattn  # noqa: E402
-from fibattn.ops import triton_ops  # noqa: E402
 
 HOST = {"aten._local_scalar_dense.default", "aten.lift_fresh_copy.default", "aten.item.default"}
 DISTS = [0, 1, 2, 3, 5, 8, 13, 21, 34]          # a band 0..3 and five rungs, all below T = 40
@@ -58,6 +58,9 @@ def describe(gm) -> dict:
 
 def main(kind: str) -> None:
     graphs = []
+    registered_before = "fibattn.ops.triton_ops" in sys.modules
+    if kind.startswith("backward"):
+        from fibattn.ops import triton_ops
     if kind == "backward-chosen":         # as on an H100 / H200: the choices compile their candidates for sm_90
         import logging
 
@@ -95,7 +98,7 @@ def main(kind: str) -> None:
             torch.compile(call, backend=backend, fullgraph=True)(q, k, v, alpha)
         except Captured:
             pass
-    print(json.dumps(graphs))
+    print(json.dumps({"graphs": graphs, "registered_before": registered_before}))
 
 
 if __name__ == "__main__":

@@ -141,4 +141,11 @@ AUDITS = [
              (FAST, "-k", "refusal")),
     Mutation("start-refusal-read-as-ok", "rank agreement", "src/fibattn/trainer/distributed.py",
              '            if said != "ok":\n', '            if said.startswith("ok "):\n', (FAST, "-k", "refuses")),
+    # ---------------------------------------------------------------- start-up without the compiler
+    Mutation("constant-result-unmarked", "start-up", OPS + "backends.py",
+             "    fn._dynamo_marked_constant = True\n", "    fn._dynamo_marked = True\n",
+             ("tests/test_startup.py", "-k", "constant_result")),
+    Mutation("triton-ops-registered-at-import", "start-up", OPS + "__init__.py",
+             "from . import custom_ops, eager\n", "from . import custom_ops, eager, triton_ops  # noqa: F401\n",
+             ("tests/test_startup.py", "-k", "unloaded")),
 ]

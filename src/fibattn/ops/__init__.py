@@ -29,8 +29,8 @@ import torch
 
 from ..checks import UsageError, check_int, check_positive
 from ..schedules import Base, BaseLike, as_base, interpolation_plan
-from . import custom_ops, eager, triton_ops
-from .backends import BACKENDS, backend_available, resolve_backend
+from . import custom_ops, eager
+from .backends import BACKENDS, backend_available, compiled_triton, resolve_backend
 from .columns import ColumnSpec
 from .documents import (check_document_ids, document_ids_from_cu_seqlens, document_ids_from_eos,
                         document_ids_from_position_ids, document_offsets)
@@ -157,7 +157,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, distance
         return flex_backend.sparse_attention(q, k, v, dists, scale, document_ids)
     if eager.eligible(q, k, v):
         return eager.attention(name, backend, q, k, v, ColumnSpec(tuple(dists)), None, scale, off)
-    if triton_ops.applies(name, q.device):
+    if compiled_triton(name, q.device):
+        from . import triton_ops            # registered by compiled_triton
         return triton_ops.sparse_attention(q, k, v, dists, scale, off)
     if not custom_ops.needs_state(q, k, v):
         return custom_ops.sparse_forward_op(q, k, v, dists, scale, backend, off)
@@ -204,7 +205,8 @@ def interpolated_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if eager.eligible(q, k, v, alpha):
         spec = ColumnSpec(None, window, tuple(values), reach)
         return eager.attention(name, backend, q, k, v, spec, alpha, scale, off)
-    if triton_ops.applies(name, q.device):
+    if compiled_triton(name, q.device):
+        from . import triton_ops
         return triton_ops.interpolated_sparse_attention(q, k, v, alpha, window, list(values), reach, scale, off)
     if not custom_ops.needs_state(q, k, v, alpha):
         return custom_ops.interpolated_forward_op(q, k, v, alpha, window, values, reach, scale, backend, off)

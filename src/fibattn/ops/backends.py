@@ -33,7 +33,16 @@ def _module(name: str):
     return importlib.import_module(f"{__package__}.{_MODULES[name]}")
 
 
-@torch.compiler.assume_constant_result
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result``: ``torch.compile`` runs ``fn`` while tracing and keeps its result
+    as a constant. That decorator only sets this flag, but imports ``torch._dynamo`` to do it — 1.3 s at every
+    start of ``fibattn``'s command line, most of which never compiles (tests/test_startup.py holds the two
+    equal)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_result
 def backend_available(name: str, device: torch.device) -> str | None:
     """``None`` when backend ``name`` can run on ``device``, else the reason it cannot."""
     if name in ("reference", "torch"):
@@ -54,7 +63,7 @@ def check_name(backend: str) -> None:
         raise UsageError(f"backend must be one of auto, {', '.join(BACKENDS)}, got {backend!r}")
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def resolve_backend(backend: str, device: torch.device, *, interpolated: bool = False) -> str:
     """Turn ``auto`` into a concrete backend and check an explicit one can run here (no logging)."""
     check_name(backend)
@@ -107,6 +116,22 @@ def kernels(name: str):
     if name not in KERNEL_SETS:
         raise UsageError(f"backend {name!r} has no fused kernel set (one of {', '.join(KERNEL_SETS)})")
     return _module(name)
+
+
+def compiled_triton(name: str, device: torch.device) -> bool:
+    """Whether a call on ``device`` resolved to backend ``name`` goes through ``triton_ops``' traced ops: a CUDA
+    call being compiled, with Triton's own kernels (the interpreter cannot run on the compiler's fake tensors)."""
+    return name == "triton" and device.type == "cuda" and torch.compiler.is_compiling() and _triton_ops_ready()
+
+
+@constant_result
+def _triton_ops_ready() -> bool:
+    """Run, not traced: imports the ``triton`` backend and, with real kernels, registers ``triton_ops``' ops on
+    first use — registering a ``triton_op`` imports ``torch._inductor`` (a second more at every start)."""
+    if kernels("triton").interpreting():
+        return False
+    importlib.import_module(f"{__package__}.triton_ops")
+    return True
 
 
 def kernel_set(backend: str, device: torch.device, *, interpolated: bool = False, log: bool = True):

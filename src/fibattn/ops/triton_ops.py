@@ -13,7 +13,8 @@ value back or makes a CPU tensor: the rung table of integer distances is built o
 tracing (``triton_backend.device_values``) and ``alpha``'s rungs by ``plan_kernel``.
 
 Used only by a compiled call on CUDA with real (not interpreted) kernels
-(:func:`applies`); eager calls keep ``eager.py``'s direct path, and functorch transforms, the
+(``backends.compiled_triton``, which imports this module on first use: registering the ops imports
+``torch._inductor``); eager calls keep ``eager.py``'s direct path, and functorch transforms, the
 interpreter and the other backends the generic ops.
 """
 from __future__ import annotations
@@ -28,17 +29,6 @@ from .custom_ops import SAVED_STATE_VERSION
 
 def _name(op: str) -> str:
     return f"fibattn::{op}_v{SAVED_STATE_VERSION}"
-
-
-def applies(name: str, device: torch.device) -> bool:
-    """Whether a call on ``device`` resolved to backend ``name`` goes through these ops: a CUDA call being
-    compiled, with Triton's own kernels (the interpreter cannot run on the compiler's fake tensors)."""
-    return name == "triton" and device.type == "cuda" and torch.compiler.is_compiling() and _real_kernels()
-
-
-@torch.compiler.assume_constant_result         # run, not traced: it imports the backend on first use
-def _real_kernels() -> bool:
-    return not _kernels().interpreting()
 
 
 def _spec(dists, window, base, reach) -> ColumnSpec:
