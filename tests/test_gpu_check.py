@@ -52,9 +52,11 @@ def test_quick_check_runs_on_cpu(tmp_path):
     assert summary["goals"]["cpu interpolated/integer fwd+bwd at 16384"]["goal"] == "<= 1.4"
 
 
+@pytest.mark.slow
 def test_quick_train_bench_step_runs_on_cpu(tmp_path):
     """Issue 54's step: both models compiled (inductor, on the CPU here), tok/s, sparse/dense and the compile
-    time cold, then warm from the same inductor cache in a second process."""
+    time cold, then warm from the same inductor cache in a second process (a minute of compiling on two cores:
+    the default suite runs the step's plumbing below)."""
     summary = quick_summary(tmp_path, "train_bench")
     assert [s["status"] for s in summary["steps"].values()] == ["ok", "ok"], summary["steps"]
     row = summary["train_bench"][0]
@@ -64,6 +66,36 @@ def test_quick_train_bench_step_runs_on_cpu(tmp_path):
     assert goals["train compile s warm (worst variant)"]["measured"] > 0
     assert goals["train compiled sparse/dense at 16384"]["goal"] == ">= 3.0"
     assert summary["ratios"]["train compiled sparse/dense at 64"] > 0
+
+
+def test_the_train_bench_step_asks_what_the_bench_takes_and_reads_what_it_writes(tmp_path, monkeypatch, capsys):
+    """Issue 54's step without compiling: both of its runs go through fibattn's own command line in this process,
+    the models faked (``bench_fakes``), and the step turns the bench's own JSON into its goals' numbers."""
+    from bench_fakes import fake_train
+    from fibattn.cli import main as cli_main
+    fake_train(monkeypatch, {"dense_compiled": 2.0, "sparse_compiled": 1.0})
+    calls = []
+
+    class Stub:
+        quick, device, out = True, "cpu", tmp_path
+
+        def run(self, name, cmd, limit, env=None):
+            calls.append((name, env))
+            assert cli_main(cmd[3:]) == 0           # after "python -m fibattn.cli"
+            return capsys.readouterr().out
+
+    summary, tool = {}, _tool()
+    tool.train_bench(Stub(), summary)
+    assert [n for n, _ in calls] == ["bench_train", "bench_train_warm"]
+    assert {e["TORCHINDUCTOR_CACHE_DIR"] for _, e in calls} == {str(tmp_path / "inductor_cache")}   # warm: the same
+    row = summary["train_bench"][0]
+    assert row["compiled"] is True and row["ratio"] == pytest.approx(2.0)
+    ratios = summary["ratios"]
+    assert ratios["train compiled sparse/dense at 64"] == pytest.approx(2.0)
+    assert ratios["train compile s cold (worst variant)"] > 0 and ratios["train compile s warm (worst variant)"] > 0
+    goals = tool.verdicts(summary, quick=True)
+    assert goals["train compiled sparse/dense at 16384"]["goal"] == ">= 3.0"
+    assert goals["train compile s warm (worst variant)"]["measured"] == ratios["train compile s warm (worst variant)"]
 
 
 def test_quick_generate_step_runs_on_cpu(tmp_path):
