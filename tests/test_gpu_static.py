@@ -149,4 +149,15 @@ def test_todays_kernels(tmp_path):
         assert set(op["estimate_ms"]) == set(op["fa2_estimate_ms"]) == {"4096", "16384", "65536"}
         assert all(v > 0 for v in list(op["estimate_ms"].values()) + list(op["fa2_estimate_ms"].values()))
     assert data["ratio_interpolated_to_integer"] > 0
+    # issue 56 item 3's compiled side: the stages add up to the op's count; the traffic share and the count that
+    # would reach the goal follow from the estimate
+    for op in ("integer", "interpolated"):
+        total = data if op == "integer" else data["interpolated"]
+        assert sum(data["stages"][op].values()) == pytest.approx(total["thread_instructions_per_query_head_column"],
+                                                                abs=1.0)
+    tr = data["traffic"]
+    assert tr["T"] == 65536 and tr["estimate_ms"] == pytest.approx(data["estimate_ms"]["65536"], rel=1e-3)
+    assert 0 < tr["share_of_copy"] < 1 and tr["goal"] == 0.4
+    assert tr["instructions_for_goal"] == pytest.approx(
+        data["thread_instructions_per_query_head_column"] * tr["share_of_copy"] / tr["goal"], rel=0.01)
     assert "FAIL" not in res.stdout and res.stdout.count("PASS") == 8, res.stdout[-2000:]
