@@ -35,6 +35,14 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    """``torch.compile`` on the ``eager`` backend: dynamo's capture (fullgraph breaks, graphs, recompiles) without
+    inductor's code generation (tens of seconds a model on 2 cores), for tests whose point is the capture."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """The bundled corpus prepared once per session with the ``tiny`` preset's data settings

@@ -300,14 +300,12 @@ def test_generate_times_the_static_step_of_a_batch(capsys, one_thread):
     assert dense[16] < dense[32]                     # sized to the context, not grown from 256 rows
 
 
-def test_generate_prefill_compiled_and_in_chunks(capsys, one_thread, monkeypatch):
+def test_generate_prefill_compiled_and_in_chunks(capsys, one_thread, dynamo_only):
     """``--contexts '' --decode compiled --prefill-chunk 24``: prefill only (no decode step compiled), compiled, in
     chunks, its compile run untimed, and reported as a total (the attention core is inside the graphs). Dynamo
     captures whole graphs here, but without inductor's code generation (20-30 s on 2 cores): what inductor makes
     of a chunked prefill is test_prefill_chunks.py's."""
     torch._dynamo.reset()
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     assert cli_main(["bench", "generate", "--shapes", "tiny", "--contexts", "", "--prefill", "48",
                      "--variants", "static", "--prefill-reps", "1", "--decode", "compiled", "--prefill-chunk", "24",
                      "--json"]) == 0

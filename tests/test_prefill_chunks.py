@@ -39,7 +39,7 @@ def test_generation_after_a_chunked_prefill_is_unchanged():
 
 
 @pytest.mark.parametrize("kind", ["learned", "dense"])
-def test_a_compiled_prefill_takes_a_graph_per_kind_of_chunk_and_gives_the_eager_logits(kind, monkeypatch):
+def test_a_compiled_prefill_takes_a_graph_per_kind_of_chunk_and_gives_the_eager_logits(kind, request):
     """fullgraph (a break raises); chunks of 12 over 41 tokens with rings of at most 12 rows (fib:5): the first
     chunk, the middle ones (the rings full, a dense layer's growing prefix dynamic) and a short last one -> three
     graphs, and none for a new session. The learned model's graphs go through inductor; the dense one's graphs
@@ -48,8 +48,7 @@ def test_a_compiled_prefill_takes_a_graph_per_kind_of_chunk_and_gives_the_eager_
     from fibattn.generation.static import rope_tables
     torch._dynamo.reset()
     if kind == "dense":
-        compile_ = torch.compile
-        monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+        request.getfixturevalue("dynamo_only")
     torch._dynamo.utils.counters.clear()
     model = _model(kind, n_layers=2, seq_len=64, base_k=5)      # two layers: the graphs are the same
     assert all(layer.cache.rows <= 12 for layer in DecodeSession(model, 1, 64).layers if layer.plan is not None)
